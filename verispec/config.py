@@ -1,0 +1,92 @@
+"""Typed configuration of the engine and of speculation, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+
+import torch
+
+from verispec.errors import VerispecError
+from verispec.models.linear import WEIGHT_FORMATS
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+METHODS = ("none", "draft", "ngram")
+K_POLICIES = ("fixed",)
+
+
+@cache
+def cpu_has_fast_bf16() -> bool:
+    """True when the CPU has native bf16 dot products (AVX-512 BF16 or AMX), where bf16 beats fp32."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return False
+    return any(flag in flags.split() for flag in ("avx512_bf16", "amx_bf16"))
+
+
+def resolve_dtype(name: str, device: str = "cpu") -> torch.dtype:
+    """Map a dtype name to torch; ``auto`` picks bf16 where it is fast (CUDA, bf16-capable CPUs), else fp32."""
+    if name == "auto":
+        if device.startswith("cuda") or cpu_has_fast_bf16():
+            return torch.bfloat16
+        return torch.float32
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise VerispecError(f"unknown dtype '{name}' (choose auto, float32, bfloat16, float16)") from None
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What to load and how: target and optional draft model, precision, cache size."""
+
+    model: str
+    draft: str | None = None
+    dtype: str = "auto"
+    draft_dtype: str | None = None  # None: same as dtype
+    weights: str = "dense"
+    draft_weights: str = "dense"
+    max_len: int = 4096
+    device: str = "cpu"
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        resolve_dtype(self.dtype, self.device)
+        if self.draft_dtype is not None:
+            resolve_dtype(self.draft_dtype, self.device)
+        for w in (self.weights, self.draft_weights):
+            if w not in WEIGHT_FORMATS:
+                raise VerispecError(f"unknown weight format '{w}' (choose from {', '.join(WEIGHT_FORMATS)})")
+        if self.max_len < 2:
+            raise VerispecError("max_len must be at least 2")
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """How to speculate for a request: which drafter proposes and how many tokens per step."""
+
+    method: str = "draft"
+    k: int = 5
+    k_policy: str = "fixed"
+    ngram_max: int = 4
+    ngram_min: int = 1
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise VerispecError(f"unknown speculation method '{self.method}' (choose from {', '.join(METHODS)})")
+        if not isinstance(self.k, int) or not 0 <= self.k <= 64:
+            raise VerispecError(f"k must be an integer in [0, 64] (got {self.k!r})")
+        if self.k_policy not in K_POLICIES:
+            raise VerispecError(f"unknown k policy '{self.k_policy}' (choose from {', '.join(K_POLICIES)})")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise VerispecError("n-gram sizes must satisfy 1 <= ngram_min <= ngram_max")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "none" and self.k > 0
+
+
+PLAIN = SpecConfig(method="none", k=0)

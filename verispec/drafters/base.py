@@ -1,0 +1,43 @@
+"""The drafter interface: every way of proposing tokens plugs in here."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from verispec.sampling import SamplingParams
+
+
+@dataclass
+class Proposal:
+    """Up to k proposed tokens and, for sampled drafts, the distributions they were drawn from.
+
+    ``probs`` is ``[len(tokens), V]``; None means the proposal is deterministic (q is one-hot),
+    which keeps rejection sampling exact for drafters that have no distribution.
+    """
+
+    tokens: list[int]
+    probs: torch.Tensor | None = None
+
+
+class Drafter(ABC):
+    """Proposes continuations of a sequence; told after each step how much of it is final.
+
+    A drafter sees the whole token sequence (prompt and generated) on every call and keeps
+    whatever state it likes; :meth:`commit` tells it the length of the verified prefix so it
+    can roll its own state (a KV cache, an index) back.
+    """
+
+    name: str = "drafter"
+
+    def begin(self, prompt: list[int]) -> None:
+        """A new request starts with ``prompt``."""
+
+    @abstractmethod
+    def propose(self, seq: list[int], k: int, params: SamplingParams, generator: torch.Generator | None) -> Proposal:
+        """Propose up to ``k`` tokens to follow ``seq`` (fewer, even none, is allowed)."""
+
+    def commit(self, n_valid: int) -> None:
+        """The first ``n_valid`` tokens of the sequence are final; anything past them is not."""

@@ -1,0 +1,58 @@
+"""A smaller model of the same tokenizer drafts tokens one at a time from its own KV cache."""
+
+from __future__ import annotations
+
+import torch
+
+from verispec.drafters.base import Drafter, Proposal
+from verispec.models.llama import Transformer
+from verispec.sampling import SamplingParams, probs_from_logits, sample
+
+
+class ModelDrafter(Drafter):
+    """Drafts with ``model``; greedy for greedy requests, else sampled under the same settings."""
+
+    name = "draft"
+
+    def __init__(self, model: Transformer, max_len: int, vocab_size: int | None = None) -> None:
+        self.model = model
+        self.cache = model.new_cache(1, max_len)
+        # Draft and target embeddings may differ in padding rows; q must live on the target's vocabulary.
+        self.vocab_size = vocab_size or model.args.vocab_size
+
+    def begin(self, prompt: list[int]) -> None:
+        self.cache.reset(0)
+
+    @torch.inference_mode()
+    def propose(self, seq: list[int], k: int, params: SamplingParams, generator: torch.Generator | None) -> Proposal:
+        start = self.cache.lengths[0]
+        # Catch up on what the draft has not seen (the target's last token, maybe more), then draft.
+        feed = seq[start:]
+        k = min(k, self.cache.max_len - len(seq))
+        tokens: list[int] = []
+        probs: list[torch.Tensor] = []
+        for _ in range(k):
+            pos = torch.arange(start, start + len(feed)).unsqueeze(0)
+            logits = self.model(torch.tensor([feed]), pos, self.cache, kv_len=start + len(feed), last_only=True)[0, -1]
+            start += len(feed)
+            self.cache.lengths[0] = start
+            if logits.shape[-1] != self.vocab_size:
+                logits = _fit_vocab(logits, self.vocab_size)
+            if params.greedy:
+                tok = int(logits.argmax())
+            else:
+                q = probs_from_logits(logits, params)
+                tok = sample(q, generator)
+                probs.append(q)
+            tokens.append(tok)
+            feed = [tok]
+        return Proposal(tokens, torch.stack(probs) if probs else None)
+
+    def commit(self, n_valid: int) -> None:
+        self.cache.lengths[0] = min(self.cache.lengths[0], n_valid)
+
+
+def _fit_vocab(logits: torch.Tensor, size: int) -> torch.Tensor:
+    if logits.shape[-1] > size:
+        return logits[:size]
+    return torch.nn.functional.pad(logits, (0, size - logits.shape[-1]), value=float("-inf"))

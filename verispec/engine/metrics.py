@@ -1,0 +1,100 @@
+"""What a generation measured: acceptance, steps and time per stage."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+STAGES = ("prefill", "propose", "score", "verify")
+
+
+@dataclass
+class Metrics:
+    """Counters of one request, or of many merged with :meth:`merge`.
+
+    ``steps`` counts target forwards after prefill; ``mean_accepted_length`` is Spec-Bench's
+    "mean accepted tokens": tokens produced per target forward, bonus token included, so plain
+    decoding scores exactly 1.0.
+    """
+
+    requests: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    drafted_by_position: list[int] = field(default_factory=list)
+    accepted_by_position: list[int] = field(default_factory=list)
+    k_chosen: dict[int, int] = field(default_factory=dict)
+    stage_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))
+    total_s: float = 0.0
+    ttft_s: float = 0.0  # summed over requests; see mean_ttft_s
+
+    def record_step(self, k: int, drafted: int, accepted: int) -> None:
+        self.steps += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        self.k_chosen[k] = self.k_chosen.get(k, 0) + 1
+        for counts, n in ((self.drafted_by_position, drafted), (self.accepted_by_position, accepted)):
+            counts.extend([0] * (n - len(counts)))
+            for i in range(n):
+                counts[i] += 1
+
+    @contextmanager
+    def timed(self, stage: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.stage_s[stage] += time.perf_counter() - t0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        return self.generated_tokens / self.steps if self.steps else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.generated_tokens / self.total_s if self.total_s else 0.0
+
+    @property
+    def mean_ttft_s(self) -> float:
+        return self.ttft_s / self.requests if self.requests else 0.0
+
+    @property
+    def acceptance_by_position(self) -> list[float]:
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_by_position, self.drafted_by_position, strict=True)]
+
+    @property
+    def other_s(self) -> float:
+        return max(0.0, self.total_s - sum(self.stage_s.values()))
+
+    def merge(self, other: Metrics) -> Metrics:
+        """Add ``other``'s counts into this one (returns self)."""
+        for name in ("requests", "prompt_tokens", "generated_tokens", "steps", "drafted", "accepted", "total_s", "ttft_s"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        for mine, theirs in ((self.drafted_by_position, other.drafted_by_position),
+                             (self.accepted_by_position, other.accepted_by_position)):
+            mine.extend([0] * (len(theirs) - len(mine)))
+            for i, c in enumerate(theirs):
+                mine[i] += c
+        for k, c in other.k_chosen.items():
+            self.k_chosen[k] = self.k_chosen.get(k, 0) + c
+        for s, t in other.stage_s.items():
+            self.stage_s[s] = self.stage_s.get(s, 0.0) + t
+        return self
+
+    def summary(self) -> dict[str, Any]:
+        """All counters plus the derived rates, as plain JSON-able values."""
+        d = asdict(self)
+        d["stage_s"]["other"] = self.other_s
+        d.update(acceptance_rate=self.acceptance_rate, mean_accepted_length=self.mean_accepted_length,
+                 tokens_per_s=self.tokens_per_s, mean_ttft_s=self.mean_ttft_s,
+                 acceptance_by_position=self.acceptance_by_position)
+        return d

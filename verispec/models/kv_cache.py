@@ -1,0 +1,39 @@
+"""A static, preallocated key/value cache with a length per batch row."""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    """Keys and values of every layer, ``[layers, batch, kv_heads, max_len, head_dim]``.
+
+    Rows are independent sequences. A row's K/V for position ``p`` lives at index ``p``;
+    ``lengths[row]`` says how many positions are valid. Attention masks by position
+    (a query at ``p`` sees keys ``<= p``), so entries past a row's length are never read
+    before they are overwritten: rolling back is just lowering the length, O(1).
+    """
+
+    def __init__(self, n_layers: int, batch: int, n_kv_heads: int, max_len: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+        shape = (n_layers, batch, n_kv_heads, max_len, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.max_len = max_len
+        self.lengths = [0] * batch
+
+    @property
+    def batch(self) -> int:
+        return len(self.lengths)
+
+    def truncate(self, row: int, length: int) -> None:
+        """Roll row ``row`` back to its first ``length`` positions."""
+        if not 0 <= length <= self.lengths[row]:
+            raise ValueError(f"cannot truncate row {row} of length {self.lengths[row]} to {length}")
+        self.lengths[row] = length
+
+    def reset(self, row: int) -> None:
+        self.lengths[row] = 0
+
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes

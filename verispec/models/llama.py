@@ -1,0 +1,181 @@
+"""A native decoder for the Llama family: Llama, Qwen2/Qwen2.5 and SmolLM2.
+
+RMSNorm, rotary embeddings (rotate-half form, as the Hugging Face checkpoints store q/k),
+grouped-query attention through ``scaled_dot_product_attention`` and a SwiGLU MLP. The
+q/k/v and gate/up projections are fused into one matmul each: fewer, larger kernels per
+token, which matters when a decode step is a few hundred small launches.
+
+One entry point serves prefill (m = prompt length), decode (m = 1) and verification
+(m = k + 1): ``forward(tokens, positions, cache)`` writes the new K/V at the given
+positions and attends over everything up to them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from verispec.models.args import ModelArgs
+from verispec.models.kv_cache import KVCache
+from verispec.models.linear import make_linear
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, weight: torch.Tensor, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 as the reference implementations do, then return to x's dtype.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_tables(head_dim: int, theta: float, length: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    freqs = torch.outer(torch.arange(length, dtype=torch.float32), inv_freq)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, wqkv: nn.Module, wo: nn.Module) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        self.wqkv, self.wo = wqkv, wo
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, write_idx: torch.Tensor, kv_len: int, mask: torch.Tensor | None) -> torch.Tensor:
+        b, m, _ = x.shape
+        hd, nh, nkv = self.head_dim, self.n_heads, self.n_kv_heads
+        q, k, v = self.wqkv(x).split([nh * hd, nkv * hd, nkv * hd], dim=-1)
+        q = apply_rope(q.view(b, m, nh, hd).transpose(1, 2), cos, sin)
+        k = apply_rope(k.view(b, m, nkv, hd).transpose(1, 2), cos, sin)
+        v = v.view(b, m, nkv, hd).transpose(1, 2)
+        k_cache.scatter_(2, write_idx, k)
+        v_cache.scatter_(2, write_idx, v)
+        out = F.scaled_dot_product_attention(q, k_cache[:, :, :kv_len], v_cache[:, :, :kv_len],
+                                             attn_mask=mask, enable_gqa=nkv != nh)
+        return self.wo(out.transpose(1, 2).reshape(b, m, nh * hd))
+
+
+class MLP(nn.Module):
+    def __init__(self, w_gate_up: nn.Module, w_down: nn.Module) -> None:
+        super().__init__()
+        self.w_gate_up, self.w_down = w_gate_up, w_down
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.w_gate_up(x).chunk(2, dim=-1)
+        return self.w_down(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, attn_norm: RMSNorm, attn: Attention, mlp_norm: RMSNorm, mlp: MLP) -> None:
+        super().__init__()
+        self.attn_norm, self.attn, self.mlp_norm, self.mlp = attn_norm, attn, mlp_norm, mlp
+
+    def forward(self, x: torch.Tensor, *attn_args) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), *attn_args)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Transformer(nn.Module):
+    """The decoder. Build it with :meth:`from_state_dict` (Hugging Face parameter names)."""
+
+    def __init__(self, args: ModelArgs, embed: torch.Tensor, layers: list[Block], norm: RMSNorm,
+                 lm_head: nn.Module, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.args, self.dtype = args, dtype
+        self.embed = nn.Embedding.from_pretrained(embed, freeze=True)
+        self.layers = nn.ModuleList(layers)
+        self.norm, self.lm_head = norm, lm_head
+        cos, sin = rope_tables(args.head_dim, args.rope_theta, args.max_position_embeddings, dtype)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    def new_cache(self, batch: int, max_len: int) -> KVCache:
+        """A KV cache sized for this model (``max_len`` positions per row)."""
+        a = self.args
+        return KVCache(a.n_layers, batch, a.n_kv_heads, max_len, a.head_dim, self.dtype, self.device)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, kv_len: int | None = None,
+                rows: slice = slice(None), last_only: bool = False, n_layers: int | None = None) -> torch.Tensor:
+        """Run ``tokens`` ``[B, m]`` at ``positions`` ``[B, m]``; return fp32 logits ``[B, m, vocab]``.
+
+        ``rows`` selects the cache rows these B sequences occupy; ``kv_len`` bounds the keys
+        attended to (at least ``positions.max() + 1``; computed when omitted). ``last_only``
+        returns logits for the last position only (prefill). ``n_layers`` exits early after
+        that many layers (self-speculative drafting).
+        """
+        b, m = tokens.shape
+        if kv_len is None:
+            kv_len = int(positions.max()) + 1
+        x = self.embed(tokens)
+        cos = self.rope_cos[positions].unsqueeze(1)
+        sin = self.rope_sin[positions].unsqueeze(1)
+        a = self.args
+        write_idx = positions[:, None, :, None].expand(b, a.n_kv_heads, m, a.head_dim)
+        # Causal by position; this also hides stale entries left past a row's length.
+        if m == 1 and b == 1:
+            mask = None  # the single query may see every key up to kv_len
+        else:
+            key_pos = torch.arange(kv_len, device=tokens.device)
+            mask = (key_pos[None, None, None, :] <= positions[:, None, :, None])
+        for i, layer in enumerate(self.layers[: n_layers or a.n_layers]):
+            x = layer(x, cos, sin, cache.k[i, rows], cache.v[i, rows], write_idx, kv_len, mask)
+        if last_only:
+            x = x[:, -1:]
+        return self.lm_head(self.norm(x)).float()
+
+    @classmethod
+    def from_state_dict(cls, args: ModelArgs, get: Callable[[str], torch.Tensor | None], dtype: torch.dtype,
+                        weight_format: str = "dense") -> Transformer:
+        """Build from tensors named as in Hugging Face checkpoints.
+
+        ``get(name)`` returns a float tensor or None when absent; taking a getter rather
+        than a dict lets loaders materialise one tensor at a time and keep peak memory low.
+        """
+
+        def req(name: str) -> torch.Tensor:
+            t = get(name)
+            if t is None:
+                raise KeyError(f"checkpoint lacks {name}")
+            return t
+
+        def linear(names: list[str], with_bias: bool) -> nn.Module:
+            w = torch.cat([req(n + ".weight") for n in names]) if len(names) > 1 else req(names[0] + ".weight")
+            b = torch.cat([req(n + ".bias") for n in names]) if with_bias else None
+            return make_linear(w, b, weight_format, dtype)
+
+        def norm(name: str) -> RMSNorm:
+            return RMSNorm(req(name).to(dtype), args.norm_eps)
+
+        layers = []
+        for i in range(args.n_layers):
+            p = f"model.layers.{i}."
+            attn = Attention(args, linear([p + "self_attn.q_proj", p + "self_attn.k_proj", p + "self_attn.v_proj"],
+                                          args.qkv_bias),
+                             linear([p + "self_attn.o_proj"], False))
+            mlp = MLP(linear([p + "mlp.gate_proj", p + "mlp.up_proj"], False), linear([p + "mlp.down_proj"], False))
+            layers.append(Block(norm(p + "input_layernorm.weight"), attn, norm(p + "post_attention_layernorm.weight"), mlp))
+        embed = req("model.embed_tokens.weight")
+        head_w = get("lm_head.weight")
+        if head_w is None or args.tie_word_embeddings:
+            head_w = embed
+        lm_head = make_linear(head_w, None, weight_format, dtype)
+        return cls(args, embed.to(dtype), layers, norm("model.norm.weight"), lm_head, dtype)
