@@ -12,8 +12,8 @@ from verispec.models.linear import WEIGHT_FORMATS
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
-METHODS = ("none", "draft", "ngram")
-K_POLICIES = ("fixed",)
+METHODS = ("none", "draft", "ngram", "retrieval", "layerskip", "hybrid")
+K_POLICIES = ("fixed", "heuristic", "confidence", "cost")
 
 
 @cache
@@ -52,6 +52,8 @@ class EngineConfig:
     max_len: int = 4096
     device: str = "cpu"
     progress: bool = True
+    compile: bool = False  # torch.compile the forwards (static shapes; CUDA graphs on GPUs)
+    compile_k: int = 8  # with compile: warm up verification shapes up to k + 1 tokens
 
     def __post_init__(self) -> None:
         resolve_dtype(self.dtype, self.device)
@@ -69,10 +71,13 @@ class SpecConfig:
     """How to speculate for a request: which drafter proposes and how many tokens per step."""
 
     method: str = "draft"
-    k: int = 5
+    k: int = 5  # the fixed k, or the largest k an adaptive policy may choose
     k_policy: str = "fixed"
+    confidence: float = 0.3  # k_policy "confidence": the draft model stops below this top probability
     ngram_max: int = 4
     ngram_min: int = 1
+    datastore: str | None = None  # retrieval: path of a datastore built by `verispec datastore build`
+    layers: int | None = None  # layerskip: how many of the target's layers draft (None: a measured default)
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -81,6 +86,8 @@ class SpecConfig:
             raise VerispecError(f"k must be an integer in [0, 64] (got {self.k!r})")
         if self.k_policy not in K_POLICIES:
             raise VerispecError(f"unknown k policy '{self.k_policy}' (choose from {', '.join(K_POLICIES)})")
+        if not 0.0 <= self.confidence < 1.0:
+            raise VerispecError(f"confidence must be in [0, 1) (got {self.confidence!r})")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise VerispecError("n-gram sizes must satisfy 1 <= ngram_min <= ngram_max")
 

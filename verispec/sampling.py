@@ -44,7 +44,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        # Below this, dividing logits by the temperature overflows; the limit is greedy anyway (as vLLM).
+        return self.temperature < 1e-5
 
     def generator(self, device: torch.device | str = "cpu") -> torch.Generator:
         """A generator for this request: seeded when a seed is given, else from entropy."""

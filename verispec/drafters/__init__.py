@@ -1,0 +1,80 @@
+"""Drafters: the ways of proposing tokens. :func:`make_drafter` maps a method name to one."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from verispec.config import SpecConfig
+from verispec.drafters.base import Drafter, Proposal
+from verispec.errors import VerispecError
+
+if TYPE_CHECKING:
+    from verispec.drafters.datastore import Datastore
+    from verispec.engine.engine import Engine
+
+__all__ = ["Drafter", "Proposal", "make_drafter"]
+
+
+def make_drafter(spec: SpecConfig, engine: Engine) -> Drafter:
+    """Build the drafter ``spec.method`` names, for ``engine``'s target (and draft model)."""
+    if spec.method == "draft":
+        from verispec.drafters.model import ModelDrafter
+
+        if engine.draft is None:
+            raise VerispecError("method 'draft' needs a draft model (--draft)")
+        threshold = spec.confidence if spec.k_policy == "confidence" else 0.0
+        return ModelDrafter(engine.draft, engine.cache_len, engine.target.args.vocab_size, threshold)
+    if spec.method == "ngram":
+        from verispec.drafters.ngram import NgramDrafter
+
+        return NgramDrafter(spec.ngram_max, spec.ngram_min)
+    if spec.method == "retrieval":
+        from verispec.drafters.retrieval import RetrievalDrafter
+
+        return RetrievalDrafter(_open_datastore(spec, engine))
+    if spec.method == "layerskip":
+        from verispec.drafters.layerskip import LayerSkipDrafter
+
+        return LayerSkipDrafter(engine.target, engine.cache, spec.layers, _min_confidence(spec))
+    if spec.method == "hybrid":
+        return _make_hybrid(spec, engine)
+    raise VerispecError(f"method '{spec.method}' is not available yet")
+
+
+def _min_confidence(spec: SpecConfig) -> float:
+    return spec.confidence if spec.k_policy == "confidence" else 0.0
+
+
+def _open_datastore(spec: SpecConfig, engine: Engine) -> Datastore:
+    from verispec.drafters.datastore import Datastore
+    from verispec.log import logger
+
+    if not spec.datastore:
+        raise VerispecError(f"method '{spec.method}' needs a datastore (--datastore; build one with "
+                            "`verispec datastore build`)")
+    if engine.tokenizer is None:
+        logger.warning("the model has no tokenizer: only the datastore's vocabulary size can be checked")
+    return Datastore.open(spec.datastore, engine.tokenizer, engine.target.args.vocab_size)
+
+
+def _make_hybrid(spec: SpecConfig, engine: Engine) -> Drafter:
+    """N-gram (plus the datastore, if given) when the match is long, else the draft model.
+
+    Without a draft model the fallback is layer-skip on the target itself only when ``spec.layers``
+    asks for it: early exits of models not trained for them are rarely accepted (see
+    docs/drafters.md), so by default such steps decode plainly (lookup only).
+    """
+    from verispec.drafters.hybrid import HybridDrafter
+    from verispec.drafters.layerskip import LayerSkipDrafter
+    from verispec.drafters.model import ModelDrafter
+    from verispec.drafters.ngram import NgramDrafter
+    from verispec.drafters.retrieval import RetrievalDrafter
+
+    retrieval = RetrievalDrafter(_open_datastore(spec, engine)) if spec.datastore else None
+    model: Drafter | None = None
+    if engine.draft is not None:
+        model = ModelDrafter(engine.draft, engine.config.max_len, engine.target.args.vocab_size,
+                             _min_confidence(spec))
+    elif spec.layers is not None:
+        model = LayerSkipDrafter(engine.target, engine.cache, spec.layers, _min_confidence(spec))
+    return HybridDrafter(NgramDrafter(spec.ngram_max, spec.ngram_min), model, retrieval)

@@ -32,12 +32,12 @@ class Drafter(ABC):
 
     name: str = "drafter"
 
-    def begin(self, prompt: list[int]) -> None:
+    def begin(self, prompt: list[int]) -> None:  # noqa: B027 (optional hook)
         """A new request starts with ``prompt``."""
 
     @abstractmethod
     def propose(self, seq: list[int], k: int, params: SamplingParams, generator: torch.Generator | None) -> Proposal:
         """Propose up to ``k`` tokens to follow ``seq`` (fewer, even none, is allowed)."""
 
-    def commit(self, n_valid: int) -> None:
+    def commit(self, n_valid: int) -> None:  # noqa: B027 (optional hook)
         """The first ``n_valid`` tokens of the sequence are final; anything past them is not."""

@@ -14,8 +14,11 @@ class ModelDrafter(Drafter):
 
     name = "draft"
 
-    def __init__(self, model: Transformer, max_len: int, vocab_size: int | None = None) -> None:
+    def __init__(self, model: Transformer, max_len: int, vocab_size: int | None = None,
+                 min_confidence: float = 0.0) -> None:
         self.model = model
+        # Stop drafting once the draft's top probability falls below this: a likely rejection.
+        self.min_confidence = min_confidence
         self.cache = model.new_cache(1, max_len)
         # Draft and target embeddings may differ in padding rows; q must live on the target's vocabulary.
         self.vocab_size = vocab_size or model.args.vocab_size
@@ -25,7 +28,7 @@ class ModelDrafter(Drafter):
 
     @torch.inference_mode()
     def propose(self, seq: list[int], k: int, params: SamplingParams, generator: torch.Generator | None) -> Proposal:
-        start = self.cache.lengths[0]
+        start = min(self.cache.lengths[0], len(seq) - 1)
         # Catch up on what the draft has not seen (the target's last token, maybe more), then draft.
         feed = seq[start:]
         k = min(k, self.cache.max_len - len(seq))
@@ -40,8 +43,12 @@ class ModelDrafter(Drafter):
                 logits = _fit_vocab(logits, self.vocab_size)
             if params.greedy:
                 tok = int(logits.argmax())
+                if self.min_confidence and tokens and torch.softmax(logits, -1)[tok] < self.min_confidence:
+                    break
             else:
                 q = probs_from_logits(logits, params)
+                if self.min_confidence and tokens and float(q.max()) < self.min_confidence:
+                    break
                 tok = sample(q, generator)
                 probs.append(q)
             tokens.append(tok)

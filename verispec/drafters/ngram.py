@@ -25,6 +25,7 @@ class NgramDrafter(Drafter):
     def begin(self, prompt: list[int]) -> None:
         self.index: dict[tuple[int, ...], int] = {}
         self.indexed = 0  # positions i < indexed have their n-grams ending at i recorded
+        self.last_match = 0  # n of the n-gram the latest proposal matched (0: none); the hybrid reads it
 
     def _extend(self, seq: list[int]) -> None:
         # An n-gram ending right before position i is followed by seq[i]; only i < len(seq) qualifies.
@@ -40,5 +41,7 @@ class NgramDrafter(Drafter):
         for n in range(min(self.max_n, len(seq) - 1), self.min_n - 1, -1):
             pos = self.index.get(tuple(seq[-n:]))
             if pos is not None:
+                self.last_match = n
                 return Proposal(seq[pos:pos + k])
+        self.last_match = 0
         return Proposal([])

@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any
 
 import torch
 
 from verispec.config import PLAIN, EngineConfig, SpecConfig, resolve_dtype
+from verispec.drafters import make_drafter
 from verispec.drafters.base import Drafter
-from verispec.drafters.model import ModelDrafter
-from verispec.drafters.ngram import NgramDrafter
+from verispec.engine.compiled import cache_slack, compile_model
 from verispec.engine.metrics import Metrics
+from verispec.engine.policy import CostModel, make_policy
 from verispec.engine.step import speculative_step
+from verispec.engine.stopping import append_tokens, final_text, hit_stop, k_cap
 from verispec.errors import VerispecError
 from verispec.log import logger
 from verispec.models.llama import Transformer
@@ -30,7 +34,7 @@ class GenerationResult:
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str | None
-    finish_reason: str  # "stop" (EOS or a stop string) or "length"
+    finish_reason: str  # "stop" (EOS or a stop string), "length" or "cancelled"
     metrics: Metrics = field(repr=False)
 
 
@@ -66,14 +70,25 @@ class Engine:
     def __init__(self, config: EngineConfig, target: Transformer, tokenizer: Any | None, eos_ids: set[int],
                  draft: Transformer | None = None, draft_tokenizer: Any | None = None) -> None:
         self.config = config
+        for model in (target, draft):
+            if model is not None and config.max_len > model.args.max_position_embeddings:
+                raise VerispecError(f"max_len {config.max_len} exceeds the model's context length "
+                                    f"{model.args.max_position_embeddings}")
         self.target, self.tokenizer, self.draft = target, tokenizer, draft
         self.eos_ids = set(eos_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_ids.add(tokenizer.eos_token_id)
         if draft is not None:
             check_tokenizers_match(tokenizer, draft_tokenizer, target.args.vocab_size, draft.args.vocab_size)
-        self.cache = target.new_cache(1, config.max_len)
+        # A compiled forward pads m up to a bucket; slack positions keep padding off real entries.
+        self.cache_len = config.max_len + (cache_slack() if config.compile else 0)
+        self.cache = target.new_cache(1, self.cache_len)
+        if config.compile:
+            compile_model(target, self.cache_len, warmup=tuple(range(1, config.compile_k + 2)))
+            if draft is not None:
+                compile_model(draft, self.cache_len, warmup=(1, 2))
         self._drafters: dict[str, Drafter] = {}
+        self._costs: dict[str, CostModel] = {}
 
     @classmethod
     def from_pretrained(cls, model: str, draft: str | None = None, **kwargs: Any) -> Engine:
@@ -83,15 +98,17 @@ class Engine:
         """
         config = EngineConfig(model=model, draft=draft, **kwargs)
         src = open_source(model)
+        tokenizer = load_tokenizer(src)
+        dsrc = open_source(draft) if draft is not None else None
+        draft_tok = load_tokenizer(dsrc) if dsrc is not None else None
+        if dsrc is not None:  # refuse a mismatched pair before spending time on weights
+            check_tokenizers_match(tokenizer, draft_tok, src.args.vocab_size, dsrc.args.vocab_size)
         dtype = resolve_dtype(config.dtype, config.device)
         target = build_model(src, dtype, config.weights, config.progress).to(config.device)
-        tokenizer = load_tokenizer(src)
-        draft_model = draft_tok = None
-        if draft is not None:
-            dsrc = open_source(draft)
+        draft_model = None
+        if dsrc is not None:
             ddtype = resolve_dtype(config.draft_dtype or config.dtype, config.device)
             draft_model = build_model(dsrc, ddtype, config.draft_weights, config.progress).to(config.device)
-            draft_tok = load_tokenizer(dsrc)
         logger.info("loaded %s (%s)%s", src.path.name, dtype, f" with draft {draft}" if draft else "")
         return cls(config, target, tokenizer, src.eos_token_ids, draft_model, draft_tok)
 
@@ -101,15 +118,50 @@ class Engine:
         """The drafter for ``spec`` (created once and reused across requests)."""
         if not spec.enabled:
             return None
-        key = f"{spec.method}:{spec.ngram_min}:{spec.ngram_max}"
+        key = repr(replace(spec, k=0))  # everything but k identifies a drafter
         if key not in self._drafters:
-            if spec.method == "draft":
-                if self.draft is None:
-                    raise VerispecError("method 'draft' needs a draft model (--draft)")
-                self._drafters[key] = ModelDrafter(self.draft, self.config.max_len, self.target.args.vocab_size)
-            elif spec.method == "ngram":
-                self._drafters[key] = NgramDrafter(spec.ngram_max, spec.ngram_min)
+            self._drafters[key] = make_drafter(spec, self)
         return self._drafters[key]
+
+    def cost_model(self, spec: SpecConfig, drafter: Drafter) -> CostModel:
+        """Measured draft and verification costs for ``spec``'s drafter (profiled once, then refreshed online)."""
+        key = repr(replace(spec, k=0))
+        costs = self._costs.get(key)
+        if costs is None or len(costs.verify_s) < spec.k + 1:
+            costs = self._costs[key] = self.profile(drafter, spec.k)
+        return costs
+
+    @torch.inference_mode()
+    def profile(self, drafter: Drafter | None, k_max: int, context: int = 64, reps: int = 3) -> CostModel:
+        """Time target forwards of 1..k_max+1 tokens and one draft token on a dummy context."""
+        vocab = self.target.args.vocab_size
+        context = max(2, min(context, self.config.max_len - k_max - 2))
+        seq = [(7 * i + 3) % vocab for i in range(context)]
+        self.cache.reset(0)
+        self.target(torch.tensor([seq[:-1]]), torch.arange(context - 1).unsqueeze(0), self.cache, last_only=True)
+        self.cache.lengths[0] = context - 1
+        verify_s = []
+        for m in range(1, k_max + 2):
+            times = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                self.target(torch.tensor([seq[-m:]]), torch.arange(context - 1, context - 1 + m).unsqueeze(0),
+                            self.cache, kv_len=context - 1 + m)
+                times.append(time.perf_counter() - t0)
+            verify_s.append(sorted(times)[len(times) // 2])
+        draft_s = 0.0
+        if drafter is not None:
+            greedy = SamplingParams(max_tokens=k_max + 1)
+            drafter.begin(seq)
+            drafter.propose(seq, 1, greedy, None)  # warm-up, and catch up on the context
+            drafter.commit(context - 1)
+            t0 = time.perf_counter()
+            n = len(drafter.propose(seq, 4, greedy, None).tokens)
+            draft_s = (time.perf_counter() - t0) / max(n, 1)
+        self.cache.reset(0)
+        logger.info("profiled costs: draft %.1f ms/token, verify %s ms", draft_s * 1e3,
+                    [round(t * 1e3, 1) for t in verify_s])
+        return CostModel(draft_s, verify_s)
 
     # -- tokenization ---------------------------------------------------------------------
 
@@ -152,12 +204,16 @@ class Engine:
 
     def generate(self, prompts: Prompt | list[Prompt], params: SamplingParams | None = None,
                  spec: SpecConfig | None = None, chat: bool = False,
-                 drafter: Drafter | None = None) -> list[GenerationResult]:
+                 drafter: Drafter | None = None,
+                 on_tokens: Callable[[int, list[int]], bool | None] | None = None) -> list[GenerationResult]:
         """Generate for one prompt or a list of prompts; returns one result per prompt.
 
         ``spec=None`` decodes plainly. ``drafter`` plugs in a custom :class:`Drafter` instead of
         the one ``spec.method`` names (``spec.k`` still applies). Every prompt is encoded and
         checked before any work starts, so one bad prompt costs nothing.
+
+        ``on_tokens(i, tokens)`` is called after every step with the tokens prompt ``i`` just
+        gained (streaming); returning False cancels that request (finish reason "cancelled").
         """
         params = params or SamplingParams()
         spec = spec or PLAIN
@@ -168,11 +224,14 @@ class Engine:
         encoded = [self.encode(p, chat) for p in prompts]
         if drafter is None:
             drafter = self.drafter(spec)
-        return [self._generate_one(ids, params, spec, drafter) for ids in encoded]
+        return [self._generate_one(ids, params, spec, drafter, on_tokens and partial(on_tokens, i))
+                for i, ids in enumerate(encoded)]
 
     @torch.inference_mode()
-    def _generate_one(self, prompt: list[int], params: SamplingParams, spec: SpecConfig,
-                      drafter: Drafter | None) -> GenerationResult:
+    def _generate_one(self, prompt: list[int], params: SamplingParams, spec: SpecConfig, drafter: Drafter | None,
+                      on_tokens: Callable[[list[int]], bool | None] | None) -> GenerationResult:
+        # Before the prefill and the clock: a first use of the cost policy profiles on this cache.
+        policy = make_policy(spec, self.cost_model(spec, drafter) if spec.k_policy == "cost" and drafter else None)
         m = Metrics(requests=1, prompt_tokens=len(prompt))
         t0 = time.perf_counter()
         generator = None if params.greedy else params.generator()
@@ -193,33 +252,21 @@ class Engine:
             if room < 1:
                 finish = "length"
                 break
-            k = max(0, min(spec.k, params.max_tokens - len(out) - 1, room - 1))
+            cap = k_cap(spec.k, params, len(out), room)
+            k = policy.choose(cap) if drafter is not None else 0
+            drafted, accepted, propose_s, score_s = m.drafted, m.accepted, m.stage_s["propose"], m.stage_s["score"]
             new = speculative_step(self.target, self.cache, seq, drafter, k, params, generator, m)
+            policy.update(k, m.drafted - drafted, m.accepted - accepted, m.stage_s["propose"] - propose_s,
+                          m.stage_s["score"] - score_s)
             if not out:
                 m.ttft_s = time.perf_counter() - t0
-            for tok in new:
-                if tok in self.eos_ids and not params.ignore_eos:
-                    finish = "stop"
-                    break
-                seq.append(tok)
-                out.append(tok)
-                if params.stop and self._hit_stop(out, params.stop):
-                    finish = "stop"
-                    break
-                if len(out) >= params.max_tokens:
-                    finish = "length"
-                    break
+            n_before = len(out)
+            finish = append_tokens(new, seq, out, params, self.eos_ids, self.decode)
+            if on_tokens is not None and on_tokens(out[n_before:]) is False and finish is None:
+                finish = "cancelled"
         m.generated_tokens = len(out)
         m.total_s = time.perf_counter() - t0
-        text = self.decode(out)
-        if text is not None and params.stop:
-            cut = min((i for i in (text.find(s) for s in params.stop) if i >= 0), default=-1)
-            if cut >= 0:
-                text = text[:cut]
-        return GenerationResult(prompt, out, text, finish, m)
+        return GenerationResult(prompt, out, final_text(self.decode(out), params.stop), finish, m)
 
     def _hit_stop(self, out: list[int], stops: tuple[str, ...]) -> bool:
-        # Only the tail can hold a stop string completed by the newest token.
-        window = max(len(s) for s in stops) + 8
-        text = self.decode(out[-window:]) or ""
-        return any(s in text for s in stops)
+        return hit_stop(out, stops, self.decode)

@@ -38,10 +38,13 @@ class Metrics:
         self.drafted += drafted
         self.accepted += accepted
         self.k_chosen[k] = self.k_chosen.get(k, 0) + 1
-        for counts, n in ((self.drafted_by_position, drafted), (self.accepted_by_position, accepted)):
-            counts.extend([0] * (n - len(counts)))
-            for i in range(n):
-                counts[i] += 1
+        # Both lists cover every drafted position, so they always have the same length.
+        for counts in (self.drafted_by_position, self.accepted_by_position):
+            counts.extend([0] * (drafted - len(counts)))
+        for i in range(drafted):
+            self.drafted_by_position[i] += 1
+        for i in range(accepted):
+            self.accepted_by_position[i] += 1
 
     @contextmanager
     def timed(self, stage: str) -> Iterator[None]:
@@ -77,7 +80,8 @@ class Metrics:
 
     def merge(self, other: Metrics) -> Metrics:
         """Add ``other``'s counts into this one (returns self)."""
-        for name in ("requests", "prompt_tokens", "generated_tokens", "steps", "drafted", "accepted", "total_s", "ttft_s"):
+        for name in ("requests", "prompt_tokens", "generated_tokens", "steps", "drafted", "accepted", "total_s",
+                     "ttft_s"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for mine, theirs in ((self.drafted_by_position, other.drafted_by_position),
                              (self.accepted_by_position, other.accepted_by_position)):

@@ -32,7 +32,7 @@ class Int8Linear(nn.Module):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
         super().__init__()
-        w = weight.float()
+        w = weight.to(dtype).float()  # quantize what the dense path would hold, cache or not
         scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
         self.register_buffer("qweight", torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8))
         self.register_buffer("scale", scale.to(dtype))

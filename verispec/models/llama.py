@@ -56,7 +56,7 @@ class Attention(nn.Module):
         self.wqkv, self.wo = wqkv, wo
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, write_idx: torch.Tensor, kv_len: int, mask: torch.Tensor | None) -> torch.Tensor:
+                v_cache: torch.Tensor, write_idx: torch.Tensor, kv_len: int, mask: torch.Tensor) -> torch.Tensor:
         b, m, _ = x.shape
         hd, nh, nkv = self.head_dim, self.n_heads, self.n_kv_heads
         q, k, v = self.wqkv(x).split([nh * hd, nkv * hd, nkv * hd], dim=-1)
@@ -131,11 +131,8 @@ class Transformer(nn.Module):
         a = self.args
         write_idx = positions[:, None, :, None].expand(b, a.n_kv_heads, m, a.head_dim)
         # Causal by position; this also hides stale entries left past a row's length.
-        if m == 1 and b == 1:
-            mask = None  # the single query may see every key up to kv_len
-        else:
-            key_pos = torch.arange(kv_len, device=tokens.device)
-            mask = (key_pos[None, None, None, :] <= positions[:, None, :, None])
+        key_pos = torch.arange(kv_len, device=tokens.device)
+        mask = key_pos[None, None, None, :] <= positions[:, None, :, None]
         for i, layer in enumerate(self.layers[: n_layers or a.n_layers]):
             x = layer(x, cos, sin, cache.k[i, rows], cache.v[i, rows], write_idx, kv_len, mask)
         if last_only:
@@ -172,7 +169,8 @@ class Transformer(nn.Module):
                                           args.qkv_bias),
                              linear([p + "self_attn.o_proj"], False))
             mlp = MLP(linear([p + "mlp.gate_proj", p + "mlp.up_proj"], False), linear([p + "mlp.down_proj"], False))
-            layers.append(Block(norm(p + "input_layernorm.weight"), attn, norm(p + "post_attention_layernorm.weight"), mlp))
+            layers.append(Block(norm(p + "input_layernorm.weight"), attn,
+                                norm(p + "post_attention_layernorm.weight"), mlp))
         embed = req("model.embed_tokens.weight")
         head_w = get("lm_head.weight")
         if head_w is None or args.tie_word_embeddings:

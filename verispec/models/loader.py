@@ -8,6 +8,7 @@ Q8_0, Q4_1, F16/BF16/F32, ...) one at a time, straight into the requested dtype.
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +22,8 @@ from verispec.errors import VerispecError
 from verispec.log import logger
 from verispec.models.args import ModelArgs
 from verispec.models.llama import Transformer
+
+CONVERT_VERSION = 1
 
 _GGUF_NAMES = {
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
@@ -97,44 +100,91 @@ def open_gguf(path: Path) -> ModelSource:
             arr = gguf.quants.dequantize(t.data, t.tensor_type)
         except Exception as e:
             raise VerispecError(f"{path}: cannot decode tensor {t.name} ({e})") from None
-        w = torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32)).reshape(tuple(reversed(t.shape.tolist())))
+        w = torch.from_numpy(np.array(arr, dtype=np.float32)).reshape(tuple(reversed(t.shape.tolist())))
         if arch == "llama" and (name.endswith("q_proj.weight") or name.endswith("k_proj.weight")):
             # llama.cpp's converter interleaves q/k rows for its rope; undo it for rotate-half.
             heads = args.n_heads if "q_proj" in name else args.n_kv_heads
-            w = w.reshape(heads, 2, w.shape[0] // heads // 2, -1).transpose(1, 2).reshape(w.shape)
+            w = w.reshape(heads, w.shape[0] // heads // 2, 2, -1).transpose(1, 2).reshape(w.shape)
         return w
 
-    eos = {int(_gguf_field(reader, "tokenizer.ggml.eos_token_id"))} if "tokenizer.ggml.eos_token_id" in reader.fields else set()
-    return ModelSource(path, args, list(tensors), eos, get)
+    eos_id = _gguf_field(reader, "tokenizer.ggml.eos_token_id")
+    hf_names = [n for n in (gguf_to_hf_name(t) for t in tensors) if n is not None]
+    return ModelSource(path, args, hf_names, set() if eos_id is None else {int(eos_id)}, get)
+
+
+def gguf_to_hf_name(name: str) -> str | None:
+    inverse = {v: k for k, v in _TOP_NAMES.items()}
+    if name in inverse:
+        return inverse[name]
+    m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", name)
+    hf = {v: k for k, v in _GGUF_NAMES.items()}.get(m.group(2)) if m else None
+    return None if hf is None else f"model.layers.{m.group(1)}.{hf}.{m.group(3)}"
+
+
+def converted(src: ModelSource, dtype: torch.dtype, progress: bool = True) -> ModelSource:
+    """A GGUF source, dequantized once into ``dtype`` and cached as safetensors next to the models.
+
+    Dequantizing a 1.5B Q4_K_M file takes tens of seconds; reading the cached copy takes a few.
+    Hugging Face folders are returned unchanged.
+    """
+    if src.path.is_dir():
+        return src
+    from safetensors.torch import save_file
+    from tqdm import tqdm
+
+    short = str(dtype).removeprefix("torch.")
+    # The version tag invalidates old caches whenever the conversion itself changes.
+    folder = hub.home() / "converted" / f"{src.path.stem}-{src.path.stat().st_size}-{short}-v{CONVERT_VERSION}"
+    if not (folder / "model.safetensors").is_file():
+        logger.info("converting %s to %s (once; cached in %s)", src.path.name, short, folder)
+        tensors = {}
+        for name in tqdm(src.tensor_names, desc=f"dequantizing {src.path.name}", disable=not progress or None,
+                         leave=False):
+            tensors[name] = src.get(name).to(dtype)
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = folder / "model.safetensors.partial"
+        save_file(tensors, str(tmp))
+        os.replace(tmp, folder / "model.safetensors")
+        del tensors
+    cached = open_safetensors(folder, src.args)
+    return ModelSource(src.path, src.args, cached.tensor_names, src.eos_token_ids, cached._get)
 
 
 def open_hf_folder(path: Path) -> ModelSource:
-    from safetensors import safe_open
-
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise VerispecError(f"{path}: no config.json (expected a Hugging Face model folder or a .gguf file)")
     cfg = json.loads(cfg_file.read_text())
-    args = ModelArgs.from_hf_config(cfg)
+    src = open_safetensors(path, ModelArgs.from_hf_config(cfg))
+    eos = cfg.get("eos_token_id")
+    gen_cfg = path / "generation_config.json"
+    if gen_cfg.is_file():
+        eos = json.loads(gen_cfg.read_text()).get("eos_token_id", eos)
+    src.eos_token_ids = set(eos) if isinstance(eos, list) else ({eos} if isinstance(eos, int) else set())
+    return src
+
+
+def open_safetensors(path: Path, args: ModelArgs) -> ModelSource:
+    """The ``*.safetensors`` files of a folder as a source (tensors read lazily, by name)."""
+    from safetensors import safe_open
+
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise VerispecError(f"{path}: no *.safetensors weights")
     where: dict[str, Any] = {}
     for f in files:
-        handle = safe_open(str(f), framework="pt")
+        try:
+            handle = safe_open(str(f), framework="pt")
+        except Exception as e:
+            raise VerispecError(f"{f}: unreadable safetensors file ({e})") from None
         for k in handle.keys():
             where[k] = handle
 
     def get(name: str) -> torch.Tensor | None:
         h = where.get(name)
-        return None if h is None else h.get_tensor(name).float()
+        return None if h is None else h.get_tensor(name)
 
-    eos = cfg.get("eos_token_id")
-    gen_cfg = path / "generation_config.json"
-    if gen_cfg.is_file():
-        eos = json.loads(gen_cfg.read_text()).get("eos_token_id", eos)
-    eos_ids = set(eos) if isinstance(eos, list) else ({eos} if isinstance(eos, int) else set())
-    return ModelSource(path, args, list(where), eos_ids, get)
+    return ModelSource(path, args, list(where), set(), get)
 
 
 def open_source(name_or_path: str | Path) -> ModelSource:
@@ -148,10 +198,16 @@ def open_source(name_or_path: str | Path) -> ModelSource:
     return open_gguf(path)
 
 
-def build_model(src: ModelSource, dtype: torch.dtype, weight_format: str = "dense", progress: bool = True) -> Transformer:
-    """Materialise the decoder from ``src``, showing progress while tensors load."""
+def build_model(src: ModelSource, dtype: torch.dtype, weight_format: str = "dense", progress: bool = True,
+                cache: bool = True) -> Transformer:
+    """Materialise the decoder from ``src``, showing progress while tensors load.
+
+    With ``cache`` a GGUF source is first converted once to ``dtype`` (see :func:`converted`).
+    """
     from tqdm import tqdm
 
+    if cache:
+        src = converted(src, dtype, progress)
     bar = tqdm(total=len(src.tensor_names), desc=f"loading {src.path.name}", unit="tensor",
                disable=not progress or None, leave=False)
 

@@ -1,0 +1,43 @@
+# Two commands on a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+MODELS := qwen2.5-coder-1.5b-instruct qwen2.5-coder-0.5b-instruct smollm2-135m-instruct
+
+.PHONY: setup models chromium test lint demo bench clean
+
+setup: $(VENV)/.installed
+
+# torch is pinned and installed first: 2.13.0 comes from a local CPU wheel; a looser spec pulls a CUDA build.
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check --upgrade pip
+	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[test,bench]'
+	touch $@
+
+models: setup
+	$(VENV)/bin/verispec models install $(MODELS)
+
+lint: setup
+	$(VENV)/bin/ruff check verispec tests bench
+
+# The server's dashboard test drives Debian's Chromium (Playwright never downloads a browser here).
+chromium:
+	@test -x /usr/bin/chromium || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium)
+
+test: models lint chromium
+	$(PY) -m pytest -q -p no:cacheprovider tests
+
+demo: models
+	$(VENV)/bin/verispec demo --out demo_out
+
+# The full comparison of docs/bench.md (hours on a CPU); BENCH_ARGS adds flags, e.g. BENCH_ARGS="--repeats 3".
+bench: models
+	$(VENV)/bin/verispec bench --model qwen2.5-coder-1.5b-instruct --draft qwen2.5-coder-0.5b-instruct \
+		--draft-weights int8 --methods none,draft,ngram,draft:policy=cost,draft:policy=heuristic \
+		--dataset spec_bench,humaneval --per-category 5 --n 20 --seed 0 --max-tokens 128 -k 5 \
+		--peers hf --stability --out bench_out $(BENCH_ARGS)
+
+clean:
+	rm -rf $(VENV) demo_out bench_out

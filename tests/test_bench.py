@@ -1,0 +1,318 @@
+"""The evaluation harness (``verispec bench``) on tiny random models with a tiny word-level tokenizer."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from tiny import make_tiny
+from tiny_tokenizer import make_tiny_tokenizer
+
+from verispec.bench import datasets
+from verispec.bench.command import BenchOptions, run_bench
+from verispec.bench.consistency import bleu, compare, distribution_check, first_divergence, rouge_l
+from verispec.bench.methods import BASELINE, parse_method, parse_methods, split_methods, with_k_sweep
+from verispec.bench.peers import hf_location, load_hf_model
+from verispec.bench.report import REPORT_KEYS
+from verispec.bench.runner import markdown_table, plot_speedup, run_methods, summarize
+from verispec.bench.stability import NULL_DRAFTER, run_suite
+from verispec.cli import main
+from verispec.config import PLAIN, SpecConfig
+from verispec.engine.engine import Engine
+from verispec.errors import VerispecError
+from verispec.sampling import SamplingParams
+
+MAX_LEN = 96
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+    """A Llama target and a noisy copy of it as draft (high but imperfect acceptance), both with the tokenizer."""
+    target_dir, draft_dir = tmp_path_factory.mktemp("bench_target"), tmp_path_factory.mktemp("bench_draft")
+    kwargs: dict[str, Any] = dict(arch="llama", vocab=96, layers=2, dim=64, heads=4, kv_heads=2, seed=11, scale=3.0)
+    target = make_tiny(target_dir, **kwargs)
+    draft = make_tiny(draft_dir, **kwargs)
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p, r in zip(draft.parameters(), target.parameters(), strict=True):
+            p.copy_(r + 0.05 * r.std() * torch.randn(p.shape, generator=gen))
+    draft.save_pretrained(draft_dir)
+    for folder in (target_dir, draft_dir):
+        make_tiny_tokenizer(folder, 96)
+    return str(target_dir), str(draft_dir)
+
+
+@pytest.fixture(scope="module")
+def engine(pair: tuple[str, str]) -> Engine:
+    return Engine.from_pretrained(pair[0], draft=pair[1], dtype="float32", max_len=MAX_LEN, progress=False)
+
+
+def _write_jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _spec_bench_file(path: Path) -> Path:
+    return _write_jsonl(path, [
+        {"question_id": 81, "category": "writing", "turns": ["write a story about the cat", "and the dog ?"]},
+        {"question_id": 82, "category": "coding", "turns": ["write code for x + y", "print it"]},
+        {"question_id": 201, "category": "qa", "turns": ["what is the world ?"]},
+        {"question_id": 202, "category": "qa", "turns": ["why is it a dog ?"]},
+    ])
+
+
+def _numbers(obj: Any, path: str = "") -> list[tuple[str, float]]:
+    if isinstance(obj, bool):
+        return []
+    if isinstance(obj, int | float):
+        return [(path, float(obj))]
+    if isinstance(obj, dict):
+        return [x for k, v in obj.items() for x in _numbers(v, f"{path}.{k}")]
+    if isinstance(obj, list):
+        return [x for i, v in enumerate(obj) for x in _numbers(v, f"{path}[{i}]")]
+    return []
+
+
+# -- method strings --------------------------------------------------------------------------------
+
+def test_method_strings_parse_into_spec_configs() -> None:
+    m = parse_method("draft:k=3")
+    assert (m.label, m.spec.method, m.spec.k, m.explicit_k) == ("draft:k=3", "draft", 3, True)
+    assert parse_method("draft:policy=cost").spec.k_policy == "cost"
+    assert parse_method("draft", k=7, k_policy="heuristic").spec == SpecConfig("draft", 7, "heuristic")
+    assert parse_method("layerskip:layers=7").spec.layers == 7
+    assert parse_method("retrieval:datastore=/data/store.vds").spec.datastore == "/data/store.vds"
+    ng = parse_method("ngram:k=8,max=5,min=2").spec
+    assert (ng.k, ng.ngram_max, ng.ngram_min) == (8, 5, 2)
+    assert parse_method("draft:policy=confidence,confidence=0.4").spec.confidence == 0.4
+    assert parse_method("none").spec == PLAIN and parse_method("none").label == BASELINE
+    for bad in ("bogus", "draft:foo=1", "draft:k=x", "none:k=2", "draft:k", "draft:policy=sometimes", "draft:k=0"):
+        with pytest.raises(VerispecError):
+            parse_method(bad)
+
+    assert split_methods("none,draft:k=3,policy=cost,ngram") == ["none", "draft:k=3,policy=cost", "ngram"]
+    with pytest.raises(VerispecError):
+        split_methods("k=3,draft")
+    labels = [m.label for m in parse_methods("draft,none,draft,ngram:k=4")]
+    assert labels == [BASELINE, "draft", "ngram:k=4"]
+
+    swept = with_k_sweep(parse_methods("draft,draft:k=3,ngram:max=3"), [1, 3])
+    assert [m.label for m in swept] == [BASELINE, "draft", "draft:k=3", "ngram:max=3", "draft:k=1",
+                                        "ngram:max=3,k=1", "ngram:max=3,k=3"]
+    assert {m.family for m in swept if m.label.startswith("draft")} == {"draft"}
+    assert swept[-1].family == "ngram:max=3" and swept[-1].spec.ngram_max == 3 and swept[-1].from_sweep
+
+
+# -- consistency -------------------------------------------------------------------------------------
+
+def test_consistency_metrics_on_known_inputs() -> None:
+    assert first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert first_divergence([1, 2, 3, 4], [1, 2, 9, 4]) == 2
+    assert first_divergence([1, 2], [1, 2, 3]) == 2
+    assert first_divergence([], [5]) == 0
+    text = "def add(x, y):\n    return x + y  # the sum of two numbers"
+    assert rouge_l(text, text) == 1.0 and rouge_l("", "") == 1.0
+    assert rouge_l("中文 文本", "中文 文本") == 1.0
+    assert 0.0 < rouge_l("the cat sat on the mat", "the cat sat on a hat") < 1.0
+    assert bleu([text, "hello world"], [text, "hello world"]) == pytest.approx(100.0)
+    assert 0.0 <= bleu(["the cat sat on the mat today"], ["the cat sat on a mat today"]) < 100.0
+
+    c = compare("m", [[1, 2, 3], [4, 5, 9, 9]], [[1, 2, 3], [4, 5, 6, 7]], ["a b c", "d e x x"],
+                ["a b c", "d e f g"], greedy=True)
+    assert (c.exact_match, c.diverged, c.first_divergence, c.mean_first_divergence) == (0.5, 1, [None, 2], 2.0)
+    assert 0.0 < c.rouge_l < 1.0 and 0.0 <= c.bleu < 100.0 and c.distribution is None
+
+    same = distribution_check([[1, 2, 3, 1]] * 50, [[1, 2, 3, 1]] * 50)
+    assert same.total_variation == 0.0 and same.p_value == pytest.approx(1.0)
+    diff = distribution_check([[1] * 10] * 50, [[2] * 10] * 50)
+    assert diff.total_variation == 1.0 and diff.p_value < 1e-6
+    sampled = compare("m", [[1, 2]], [[2, 1]], [None], [None], greedy=False)
+    assert sampled.exact_match is None and sampled.rouge_l is None and sampled.distribution is not None
+
+
+# -- datasets ----------------------------------------------------------------------------------------
+
+def test_jsonl_and_spec_bench_datasets(tmp_path: Path) -> None:
+    path = _write_jsonl(tmp_path / "p.jsonl", [
+        {"id": "a", "category": "code", "prompt": "def f ( x ) :"},
+        {"prompt": "hello world"},
+        {"id": "c", "prompt": ["first turn", "second turn"]},
+    ])
+    got = datasets.load(f"jsonl:{path}")
+    assert [(p.id, p.category, p.text, p.chat) for p in got] == [
+        ("a", "code", "def f ( x ) :", True), ("1", "jsonl", "hello world", True), ("c", "jsonl", "first turn", True)]
+    assert len(datasets.load(f"jsonl:{path}", n=2, chat=False)) == 2
+    assert not datasets.jsonl(path, chat=False)[0].chat
+    with pytest.raises(VerispecError):
+        datasets.jsonl(path, field="question")
+    with pytest.raises(VerispecError):
+        datasets.load("nope")
+
+    sb = _spec_bench_file(tmp_path / "question.jsonl")
+    one = datasets.spec_bench(sb)
+    assert {p.category for p in one} == {"mt_bench", "qa"} and all(not p.followups for p in one)
+    two = datasets.spec_bench(sb, turns=2)
+    assert [p.followups for p in two if p.category == "mt_bench"] == [("and the dog ?",), ("print it",)]
+    sample = datasets.spec_bench(sb, per_category=1, seed=3)
+    assert sorted(p.category for p in sample) == ["mt_bench", "qa"]
+    assert sample == datasets.spec_bench(sb, per_category=1, seed=3)
+
+
+# -- stability ---------------------------------------------------------------------------------------
+
+def test_stability_suite_passes_on_a_tiny_model(engine: Engine) -> None:
+    results = run_suite(engine, parse_methods("draft,ngram,draft:policy=heuristic"), max_tokens=8, progress=False)
+    cases = {r.case for r in results}
+    assert {"near_context_limit", "over_context_limit", "special_characters", "emoji", "control_characters",
+            "mixed_scripts", "empty_prompt", "max_tokens_1", NULL_DRAFTER} <= cases
+    failed = [r for r in results if not r.passed]
+    assert not failed, failed
+    over = [r for r in results if r.case == "over_context_limit"]
+    assert len(over) == 4 and all("refused" in r.detail for r in over)
+    assert {r.method for r in results if r.case == NULL_DRAFTER} == {BASELINE, NULL_DRAFTER}
+
+
+# -- the older runner API (make demo) --------------------------------------------------------------
+
+def test_demo_runner_api_still_works(engine: Engine, tmp_path: Path) -> None:
+    prompts = [datasets.BenchPrompt("1", "a", "write code for x", True),
+               datasets.BenchPrompt("2", "b", "def f ( x ) :", False)]
+    runs = run_methods(engine, prompts, {"plain": PLAIN, "draft k=3": SpecConfig("draft", 3)},
+                       SamplingParams(max_tokens=8), progress=False)
+    rows = summarize(prompts, runs, baseline="plain")
+    assert all(r.exact_match == 1.0 for r in rows)
+    assert "draft k=3" in markdown_table(rows)
+    plot_speedup(rows, str(tmp_path / "s.png"), "t")
+    assert (tmp_path / "s.png").stat().st_size > 0
+
+
+def test_peer_models_load_from_the_engines_files(tmp_path: Path, pair: tuple[str, str]) -> None:
+    gguf = tmp_path / "m" / "model-q4.gguf"
+    gguf.parent.mkdir()
+    gguf.write_bytes(b"GGUF")
+    assert hf_location(str(gguf)) == (gguf.parent, "model-q4.gguf")
+    assert hf_location(str(gguf.parent)) == (gguf.parent, "model-q4.gguf")  # a folder holding only a GGUF
+    assert hf_location(pair[0]) == (Path(pair[0]), None)  # a Hugging Face folder
+    model = load_hf_model(pair[0], torch.bfloat16)
+    assert model.dtype == torch.bfloat16 and not model.training
+
+
+# -- the CLI end to end ------------------------------------------------------------------------------
+
+def test_cli_end_to_end_greedy_with_peers_and_stability(pair: tuple[str, str], tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    data = _write_jsonl(tmp_path / "prompts.jsonl", [
+        {"id": "p1", "category": "code", "prompt": "def add ( x , y ) : return x + y"},
+        {"id": "p2", "category": "code", "prompt": "write code to print hello world"},
+        {"id": "p3", "category": "chat", "prompt": "what is the cat ?"},
+    ])
+    out = tmp_path / "out"
+    rc = main(["bench", "--model", pair[0], "--draft", pair[1], "--methods", "none,draft,ngram,draft:policy=cost",
+               "--dataset", f"jsonl:{data}", "--max-tokens", "10", "--repeats", "2", "--k-sweep", "2,4",
+               "--peers", "hf", "--stability", "--stability-max-tokens", "6", "--dtype", "float32",
+               "--max-len", str(MAX_LEN), "--out", str(out), "--no-progress"])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "tokens/s" in printed and "stability:" in printed
+
+    report = json.loads((out / "report.json").read_text())
+    assert set(REPORT_KEYS) <= set(report)
+    bad = [(p, x) for p, x in _numbers(report) if not math.isfinite(x)]
+    assert not bad, bad
+    labels = [r["method"] for r in report["summary"]]
+    assert labels[0] == BASELINE
+    assert {"draft", "ngram", "draft:policy=cost", "draft:k=2", "draft:k=4", "ngram:k=2", "ngram:k=4",
+            "hf-plain", "hf-assisted", "hf-prompt-lookup"} <= set(labels)
+    cats = {r["category"] for r in report["per_category"]}
+    assert cats == {"code", "chat", "overall"}
+    for r in report["summary"]:
+        assert r["tokens_per_s"] > 0 and r["prompts"] == 3
+        assert r["speedup"] is not None
+        if r["kind"] == "verispec":
+            assert r["mean_accepted_length"] >= 1.0 and 0.0 <= r["acceptance_rate"] <= 1.0
+            assert r["acceptance_by_position"] and r["draft_cost_ratio"] is not None and r["draft_cost_ratio"] > 0
+            assert set(r["stage_share"]) == {"prefill", "propose", "score", "verify", "other"}
+            assert sum(r["stage_share"].values()) == pytest.approx(1.0, abs=1e-6)
+        if r["kind"] == "peer":
+            assert r["mean_accepted_length"] is None and r["stage_share"] == {}
+    base = report["summary"][0]
+    assert base["speedup"] == pytest.approx(1.0) and base["mean_accepted_length"] == pytest.approx(1.0)
+    # Greedy speculation is lossless: every verispec method reproduces plain decoding exactly.
+    cons = {c["method"]: c for c in report["consistency"]}
+    for label, kind in ((r["method"], r["kind"]) for r in report["summary"]):
+        if kind == "verispec":
+            assert cons[label]["exact_match"] == 1.0 and cons[label]["rouge_l"] == 1.0
+            assert cons[label]["bleu"] == pytest.approx(100.0)
+    mem = {m["method"]: m for m in report["memory"]["methods"]}
+    assert mem["draft"]["draft_model_bytes"] > 0 and mem["draft"]["draft_cache_bytes"] > 0
+    assert mem["ngram"]["draft_increment_bytes"] == 0 and mem[BASELINE]["draft_increment_bytes"] == 0
+    assert report["memory"]["peak_rss_bytes"] > 0
+    peers = report["peers"]
+    assert peers["error"] is None and peers["best_method"] and peers["best_vs_hf_assisted"] > 0
+    assert report["stability"]["passed"] == report["stability"]["total"] > 0
+    assert not any("k=2" in r["method"] for r in report["stability"]["results"])  # sweep variants skipped
+    assert len(report["items"]) == 3
+    recs = [r for r in report["records"] if r["method"] == "draft"]
+    assert len(recs) == 3 and all(len(r["wall_s"]) == 2 and r["repeats_agree"] for r in recs)
+    assert report["settings"]["repeats"] == 2 and report["machine"]["threads"] >= 1
+    assert report["versions"]["torch"] and report["date"]
+
+    md = (out / "report.md").read_text()
+    for heading in ("## Summary", "## Speedup per category", "## Output consistency", "## Memory", "## Peers",
+                    "## Stability", "hf-assisted", "tokens/s"):
+        assert heading in md
+    assert set(report["plots"]) == {"speedup_by_category.png", "acceptance_by_position.png", "stage_breakdown.png",
+                                    "speedup_vs_k.png"}
+    for name in report["plots"]:
+        assert (out / name).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_cli_spec_bench_two_turns_sampled(pair: tuple[str, str], tmp_path: Path) -> None:
+    sb = _spec_bench_file(tmp_path / "question.jsonl")
+    out = tmp_path / "out"
+    rc = main(["bench", "--model", pair[0], "--draft", pair[1], "--methods", "draft:k=3", "--dataset", "spec_bench",
+               "--spec-bench", str(sb), "--per-category", "2", "--mt-bench-turns", "2", "--max-tokens", "8",
+               "--temperature", "0.8", "--top-p", "0.9", "--dtype", "float32", "--max-len", str(MAX_LEN),
+               "--out", str(out), "--no-progress", "--no-plots"])
+    assert rc == 0
+    report = json.loads((out / "report.json").read_text())
+    items = report["items"]
+    assert len(items) == 6 and sorted(i["turn"] for i in items) == [1, 1, 1, 1, 2, 2]
+    records = {(r["method"], r["item"]): r for r in report["records"]}
+    for item in (i for i in items if i["turn"] == 2):
+        first = next(i for i in items if i["prompt_id"] == item["prompt_id"] and i["turn"] == 1)
+        # The second turn carries the baseline's first answer, for every method alike.
+        assert item["prompt"][1] == {"role": "assistant", "content": records[BASELINE, first["index"]]["text"]}
+    cons = report["consistency"][0]
+    assert cons["exact_match"] is None and cons["distribution"]["baseline_tokens"] > 0
+    assert "sanity check" in (out / "report.md").read_text()
+    assert report["plots"] == [] and report["peers"] is None and report["stability"] is None
+
+
+def test_layerskip_and_hybrid_draft_memory(pair: tuple[str, str], tmp_path: Path) -> None:
+    data = _write_jsonl(tmp_path / "p.jsonl", [{"prompt": "def add ( x , y ) : return x + y"}])
+    report = run_bench(BenchOptions(model=pair[0], draft=pair[1], methods="layerskip:layers=1,hybrid",
+                                    dataset=f"jsonl:{data}", max_tokens=8, dtype="float32", max_len=MAX_LEN,
+                                    out=str(tmp_path / "out"), progress=False, plots=False, stability=True,
+                                    stability_max_tokens=4))
+    mem = {m["method"]: m for m in report["memory"]["methods"]}
+    # Layer-skip drafts with the target's own layers and cache: nothing extra to count.
+    assert mem["layerskip:layers=1"]["draft_increment_bytes"] == 0
+    # The hybrid falls back to the draft model, whose weights and cache it holds.
+    assert mem["hybrid"]["draft_model_bytes"] > 0 and mem["hybrid"]["draft_cache_bytes"] > 0
+    assert all(c["exact_match"] == 1.0 for c in report["consistency"])
+    assert report["stability"]["passed"] == report["stability"]["total"]
+
+
+def test_cli_refuses_bad_settings_before_loading(pair: tuple[str, str], tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["bench", "--model", pair[0], "--out", str(tmp_path), "--dataset", "humaneval", "--n", "1"]
+    assert main([*base, "--methods", "draft:k=banana"]) == 2
+    assert main([*base, "--peers", "vllm"]) == 2
+    assert main([*base, "--repeats", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "k must be int" in err and "unknown peer" in err

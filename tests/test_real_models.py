@@ -1,0 +1,113 @@
+"""Checks on the real weights (installed and cached by ``make test``), in fp32 for exactness."""
+
+from __future__ import annotations
+
+import gc
+import os
+
+import pytest
+import torch
+
+from verispec import Engine, SamplingParams, SpecConfig, VerispecError, hub
+from verispec.bench import datasets
+
+TARGET, DRAFT, SMOL = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct", "smollm2-135m-instruct"
+
+pytestmark = pytest.mark.real
+
+PROMPTS = [
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "The three primary colors are",
+    "Question: What is the capital of France?\nAnswer:",
+]
+
+
+def _require_installed(*names: str) -> None:
+    missing = [n for n in names if not hub.is_installed(n)]
+    if missing:
+        pytest.fail(f"real models not installed ({', '.join(missing)}); run: make models")
+
+
+@pytest.fixture(scope="module")
+def pair() -> Engine:
+    _require_installed(TARGET, DRAFT)
+    engine = Engine.from_pretrained(TARGET, draft=DRAFT, dtype="float32", max_len=1024, progress=False)
+    yield engine
+    del engine
+    gc.collect()
+
+
+def _hf_greedy(gguf_name: str, prompts: list[list[int]], max_new: int, eos: list[int]) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    path = hub.model_file(gguf_name)
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    model.eval()
+    outs = []
+    with torch.inference_mode():
+        for ids in prompts:
+            x = torch.tensor([ids])
+            y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new, do_sample=False,
+                               eos_token_id=eos, pad_token_id=eos[0])
+            new = y[0, len(ids):].tolist()
+            while new and new[-1] in eos:  # we report EOS as a finish reason, not a token
+                new.pop()
+            outs.append(new)
+    del model
+    gc.collect()
+    return outs
+
+
+def test_target_greedy_matches_transformers(pair: Engine) -> None:
+    params = SamplingParams(max_tokens=24)
+    ours = pair.generate(PROMPTS, params)
+    ids = [r.prompt_token_ids for r in ours]
+    theirs = _hf_greedy(TARGET, ids, params.max_tokens, sorted(pair.eos_ids))
+    for r, ref in zip(ours, theirs, strict=True):
+        assert r.token_ids == ref, f"diverged on {pair.decode(r.prompt_token_ids)!r}"
+        assert len(r.token_ids) > 0
+
+
+def test_smollm2_llama_gguf_matches_transformers() -> None:
+    """SmolLM2 is a llama-architecture GGUF: checks the q/k un-permutation and tied embeddings."""
+    _require_installed(SMOL)
+    engine = Engine.from_pretrained(SMOL, dtype="float32", max_len=512, progress=False)
+    params = SamplingParams(max_tokens=24)
+    ours = engine.generate(PROMPTS, params)
+    theirs = _hf_greedy(SMOL, [r.prompt_token_ids for r in ours], params.max_tokens, sorted(engine.eos_ids))
+    assert [r.token_ids for r in ours] == theirs
+
+
+def _spec_bench_prompts() -> list[datasets.BenchPrompt]:
+    path = datasets.default_spec_bench()
+    if not path.is_file():
+        if os.environ.get("CI"):
+            pytest.fail(f"Spec-Bench data missing at {path}")
+        pytest.skip(f"Spec-Bench data not found at {path} (set VERISPEC_SPEC_BENCH)")
+    cats = ["mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag"]
+    return datasets.spec_bench(path, per_category=1, seed=1, categories=cats)
+
+
+def test_speculative_greedy_equals_plain_on_real_pair(pair: Engine) -> None:
+    prompts = _spec_bench_prompts()
+    assert len({p.category for p in prompts}) >= 5
+    params = SamplingParams(max_tokens=32)
+    texts = [p.text for p in prompts]
+    plain = pair.generate(texts, params, chat=True)
+    for spec in (SpecConfig(method="draft", k=4), SpecConfig(method="ngram", k=4)):
+        spec_out = pair.generate(texts, params, spec, chat=True)
+        for p, a, b in zip(prompts, plain, spec_out, strict=True):
+            assert a.token_ids == b.token_ids, f"{spec.method} diverged on {p.category} prompt {p.id}"
+        total = sum(r.metrics.accepted for r in spec_out)
+        if spec.method == "draft":
+            assert total > 0, "the same-family draft should get some tokens accepted"
+            steps = sum(r.metrics.steps for r in spec_out)
+            assert steps < sum(r.metrics.steps for r in plain)
+
+
+def test_real_pair_tokenizers_agree_and_mismatch_is_refused(pair: Engine) -> None:
+    assert pair.target.args.vocab_size == pair.draft.args.vocab_size == 151936
+    assert len(pair.tokenizer) <= 151936
+    _require_installed(SMOL)
+    with pytest.raises(VerispecError, match="differ"):
+        Engine.from_pretrained(TARGET, draft=SMOL, dtype="float32", max_len=64, progress=False)

@@ -1,0 +1,1 @@
+"""The evaluation harness: datasets, side-by-side runs and reports."""

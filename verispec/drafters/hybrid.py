@@ -1,0 +1,70 @@
+"""Hybrid drafting: copy when the context (or the datastore) has seen this before, else ask a model.
+
+Lookup drafters are nearly free and, when their match is long, very accurate (code that repeats
+identifiers, edits that quote their input); a model draft costs forwards but works everywhere.
+Each step the hybrid takes the lookup proposal with the longest match if that match is at least
+``min_match`` tokens long and proposes at least two tokens; otherwise the model drafts.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+
+from verispec.drafters.base import Drafter, Proposal
+from verispec.drafters.ngram import NgramDrafter
+from verispec.drafters.retrieval import RetrievalDrafter
+from verispec.sampling import SamplingParams
+
+DEFAULT_MIN_MATCH = 3
+
+
+class HybridDrafter(Drafter):
+    """Routes each step to the n-gram, the retrieval or the ``model`` drafter.
+
+    ``model`` is any drafter with a distribution (a draft model or layer-skip); None means
+    lookup only. Every sub-drafter sees every :meth:`begin` and :meth:`commit`, drafted or not,
+    so a model drafter's KV cache only ever lags the verified sequence and its propose catches up
+    on the unseen suffix in one forward. ``counts`` tallies which source drafted each step.
+    """
+
+    name = "hybrid"
+
+    def __init__(self, ngram: NgramDrafter, model: Drafter | None, retrieval: RetrievalDrafter | None = None,
+                 min_match: int = DEFAULT_MIN_MATCH) -> None:
+        self.ngram, self.model, self.retrieval = ngram, model, retrieval
+        self.min_match = min_match
+        self.counts: Counter[str] = Counter()
+
+    def _subs(self) -> list[Drafter]:
+        return [d for d in (self.ngram, self.retrieval, self.model) if d is not None]
+
+    def begin(self, prompt: list[int]) -> None:
+        for d in self._subs():
+            d.begin(prompt)
+
+    def propose(self, seq: list[int], k: int, params: SamplingParams, generator: torch.Generator | None) -> Proposal:
+        best: tuple[int, str, Proposal] | None = None
+        # The n-gram match cannot exceed its max_n, so hold it to at most that.
+        lookups = [("ngram", self.ngram, min(self.min_match, self.ngram.max_n))]
+        if self.retrieval is not None:
+            lookups.append(("retrieval", self.retrieval, self.min_match))
+        for name, drafter, threshold in lookups:
+            proposal = drafter.propose(seq, k, params, generator)
+            match = drafter.last_match
+            # Strictly longer wins, so the context's own n-gram beats the datastore on a tie.
+            if match >= threshold and len(proposal.tokens) >= min(2, k) and (best is None or match > best[0]):
+                best = (match, name, proposal)
+        if best is not None:
+            self.counts[best[1]] += 1
+            return best[2]
+        if self.model is None:
+            self.counts["none"] += 1
+            return Proposal([])
+        self.counts[self.model.name] += 1
+        return self.model.propose(seq, k, params, generator)
+
+    def commit(self, n_valid: int) -> None:
+        for d in self._subs():
+            d.commit(n_valid)

@@ -1,0 +1,194 @@
+"""Concurrency-aware speculation: choose k for a whole batch from a cost curve of the target forward.
+
+One request alone is memory-bound: scoring k + 1 tokens costs about as much as scoring one, so
+speculation is nearly free. A batch of B rows scores B * (k + 1) tokens per step; once that
+product passes the point where the GPU (or CPU) becomes compute-bound, each extra draft position
+costs real time for every row, and from some B on no k beats plain decoding. The policy therefore
+models a step's time as
+
+    step_s(B, k) = k * draft_s(B) + target_s(B * (k + 1))
+
+with ``target_s`` a measured curve of seconds against scored tokens, and picks the k maximising
+expected batch goodput ``sum_rows E[tokens_row(k)] / step_s`` (Leviathan et al.'s E[tokens] per
+row, from each row's own acceptance estimate). Rows that fix their own k (``k_policy`` other than
+``cost``) keep it; the padded width is the largest k of the batch, which the model accounts for.
+"""
+
+from __future__ import annotations
+
+import time
+from bisect import bisect_left
+from dataclasses import dataclass, field
+
+import torch
+
+from verispec.engine.policy import expected_tokens
+from verispec.models.llama import Transformer
+
+
+@dataclass
+class CostCurve:
+    """Seconds of one forward against the tokens it processes: piecewise linear through measured points.
+
+    Beyond the last point the curve extends at the last segment's slope (it never falls), and it
+    is made non-decreasing when read, so a noisy measurement cannot make more work look cheaper.
+    """
+
+    points: dict[int, float]
+    smoothing: float = 0.1  # weight of a new observation
+
+    def __call__(self, tokens: int) -> float:
+        xs = sorted(self.points)
+        ys = []
+        for x in xs:  # running max: monotone in tokens
+            ys.append(max(self.points[x], ys[-1] if ys else 0.0))
+        if tokens <= xs[0]:
+            return ys[0]
+        i = bisect_left(xs, tokens)
+        if i == len(xs):
+            if len(xs) == 1:
+                return ys[0] * tokens / xs[0]
+            slope = max(0.0, (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]))
+            return ys[-1] + slope * (tokens - xs[-1])
+        if xs[i] == tokens:
+            return ys[i]
+        w = (tokens - xs[i - 1]) / (xs[i] - xs[i - 1])
+        return ys[i - 1] + w * (ys[i] - ys[i - 1])
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        """Fold in one measured forward (a new point if ``tokens`` was never measured)."""
+        old = self.points.get(tokens)
+        self.points[tokens] = seconds if old is None else old + self.smoothing * (seconds - old)
+
+
+@dataclass
+class BatchCostModel:
+    """Step time of a batch: target forwards against scored tokens, lockstep draft forwards against rows.
+
+    ``draft`` is None for drafters that cost (next to) nothing, such as n-gram lookup.
+    """
+
+    target: CostCurve
+    draft: CostCurve | None = None
+
+    def step_s(self, rows: int, k: int) -> float:
+        """Predicted seconds of one step of ``rows`` rows padded to ``k`` drafts each."""
+        draft = k * self.draft(rows) if self.draft is not None and k > 0 else 0.0
+        return draft + self.target(rows * (k + 1))
+
+
+@dataclass
+class Acceptance:
+    """A request's per-token acceptance rate: decayed counts plus a prior (as :class:`CostK`)."""
+
+    prior_a: float = 0.6
+    prior_weight: float = 4.0
+    decay: float = 0.9
+    drafted: float = 0.0
+    accepted: float = 0.0
+
+    @property
+    def rate(self) -> float:
+        return (self.accepted + self.prior_a * self.prior_weight) / (self.drafted + self.prior_weight)
+
+    def update(self, drafted: int, accepted: int) -> None:
+        if drafted:
+            self.drafted = self.decay * self.drafted + drafted
+            self.accepted = self.decay * self.accepted + accepted
+
+
+@dataclass
+class RowPlan:
+    """What the policy knows of a row: its cap on k, and either its acceptance (policy-governed) or a fixed k."""
+
+    cap: int
+    acceptance: float | None = None  # None: the row's k is fixed (``fixed_k``)
+    fixed_k: int = 0
+
+
+@dataclass
+class BatchPolicy:
+    """Chooses one k per step for all policy-governed rows by expected batch goodput.
+
+    While k = 0 nothing is learned about acceptance, so every ``probe_every`` plain steps a
+    ``probe_k`` step runs, but only if speculation could pay at all: when even perfect acceptance
+    loses (compute-bound), probing would only waste compute.
+    """
+
+    costs: BatchCostModel
+    probe_every: int = 16
+    probe_k: int = 2
+    chosen: dict[int, int] = field(default_factory=dict)  # k -> steps it was chosen
+    _plain_streak: int = 0
+
+    def goodput(self, plans: list[RowPlan], k: int, span: int | None = None, optimistic: bool = False) -> float:
+        """Predicted tokens per second of the whole batch if governed rows draft ``k``."""
+        tokens, width = 0.0, 0
+        for p in plans:
+            kr = p.fixed_k if p.acceptance is None else min(k, p.cap)
+            a = 1.0 if optimistic else (p.acceptance if p.acceptance is not None else 0.6)
+            tokens += expected_tokens(a, kr) if kr > 0 else 1.0
+            width = max(width, kr)
+        return tokens / self.costs.step_s(span or len(plans), width)
+
+    def choose(self, plans: list[RowPlan], span: int | None = None) -> int:
+        """k for the governed rows of the next step (each still capped by its own ``cap``)."""
+        governed = [p.cap for p in plans if p.acceptance is not None]
+        if not governed:
+            return 0
+        k_max = max(governed)
+        k = max(range(k_max + 1), key=lambda k: (self.goodput(plans, k, span), -k))
+        if k == 0:
+            self._plain_streak += 1
+            if self._plain_streak >= self.probe_every:
+                self._plain_streak = 0
+                probe = min(self.probe_k, k_max)
+                if probe and self.goodput(plans, probe, span, optimistic=True) > self.goodput(plans, 0, span):
+                    k = probe
+        else:
+            self._plain_streak = 0
+        self.chosen[k] = self.chosen.get(k, 0) + 1
+        return k
+
+
+@torch.inference_mode()
+def profile_costs(target: Transformer, draft: Transformer | None, max_rows: int, k_max: int, context: int = 64,
+                  reps: int = 3) -> BatchCostModel:
+    """Time target forwards of B rows x m tokens (B in powers of two up to ``max_rows``, m in 1..k_max+1).
+
+    Each forward attends over a ``context``-token dummy prefix (a real decode step reads its
+    context too); a separate small cache is used, so running requests are untouched. The draft
+    curve times one-token lockstep forwards of B rows.
+    """
+    batch_sizes = sorted({1 << i for i in range(max_rows.bit_length()) if 1 << i <= max_rows} | {max_rows})
+    target_pts = _time_grid(target, batch_sizes, range(1, k_max + 2), context, reps)
+    draft_pts = _time_grid(draft, batch_sizes, (1,), context, reps) if draft is not None else None
+    return BatchCostModel(CostCurve(target_pts), CostCurve(draft_pts) if draft_pts else None)
+
+
+def _time_grid(model: Transformer, batch_sizes: list[int], widths: range | tuple[int, ...], context: int,
+               reps: int) -> dict[int, float]:
+    device = model.device
+    cache = model.new_cache(max(batch_sizes), context + max(widths))
+    prefix = (torch.arange(context, device=device) * 7 + 3) % model.args.vocab_size
+    model(prefix.expand(cache.batch, -1).contiguous(), torch.arange(context, device=device).expand(cache.batch, -1),
+          cache, last_only=True)
+    samples: dict[int, list[float]] = {}
+    for b in batch_sizes:
+        for m in widths:
+            tokens = prefix[:m].expand(b, -1).contiguous()
+            pos = (context + torch.arange(m, device=device)).expand(b, -1)
+            times = []
+            for _ in range(reps + 1):  # the first run warms up this shape
+                _sync(device)
+                t0 = time.perf_counter()
+                model(tokens, pos, cache, rows=slice(0, b))
+                _sync(device)
+                times.append(time.perf_counter() - t0)
+            samples.setdefault(b * m, []).append(sorted(times[1:])[reps // 2])
+    return {t: sum(v) / len(v) for t, v in samples.items()}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -1,0 +1,131 @@
+"""The batched speculative step: every running row proposes, one target forward scores them all.
+
+The single-row invariant holds per row: the target cache row of a sequence holds ``seq[:-1]``.
+A step feeds each row ``[last token, d1..dk_row]`` at its own positions; rows are right-padded to
+the batch's widest ``k + 1`` with copies of their last token at the following positions. Padding
+K/V land past the row's length, are hidden from its real queries by the causal-by-position mask,
+and are overwritten by later steps, so they cost compute but never change a result. Verification
+and rollback are per row, exactly as in :func:`~verispec.engine.step.speculative_step`.
+
+The forward covers the contiguous slot span of the stepping rows (the model addresses cache rows
+by slice); slots inside the span that are not stepping (free, or still prefilling) get dummy
+tokens at positions from their own cache length on, which are equally harmless.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from verispec.drafters.base import Drafter, Proposal
+from verispec.engine.batch_draft import BatchDraftModel, DraftRow
+from verispec.engine.metrics import Metrics
+from verispec.models.kv_cache import KVCache
+from verispec.models.llama import Transformer
+from verispec.sampling import SamplingParams, probs_from_logits
+from verispec.verify import verify_greedy, verify_sampling
+
+
+@dataclass(eq=False)
+class Row:
+    """One sequence of the batch as the step sees it.
+
+    ``drafter`` is a per-row drafter (n-gram, retrieval, ...); ``model_draft`` rows draft through
+    the batch's shared :class:`BatchDraftModel` instead; neither means plain decoding. ``k`` is
+    set before each step by the policy.
+    """
+
+    slot: int
+    seq: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None
+    metrics: Metrics
+    drafter: Drafter | None = None
+    model_draft: bool = False
+    min_confidence: float = 0.0
+    k: int = 0
+
+    @property
+    def speculates(self) -> bool:
+        return self.model_draft or self.drafter is not None
+
+
+@dataclass
+class StepReport:
+    """What one batched step did: rows, padded width, tokens scored and seconds per stage."""
+
+    rows: int
+    span: int  # cache rows the target forward covered (rows plus holes between them)
+    width: int  # the padded number of positions per row (max k + 1)
+    draft_forwards: int
+    propose_s: float
+    score_s: float
+    verify_s: float
+    new_tokens: list[list[int]] = field(default_factory=list)
+
+    @property
+    def scored_tokens(self) -> int:
+        return self.span * self.width
+
+
+@torch.inference_mode()
+def batched_step(target: Transformer, cache: KVCache, rows: list[Row], draft_model: BatchDraftModel | None) -> StepReport:
+    """Extend every row by one speculative step; ``report.new_tokens[i]`` are row i's 1..k+1 new tokens."""
+    # 1. Propose: model rows draft together in lockstep, per-row drafters one by one.
+    t0 = time.perf_counter()
+    proposals = [Proposal([])] * len(rows)
+    forwards_before = draft_model.forwards if draft_model is not None else 0
+    model_rows = [i for i, r in enumerate(rows) if r.model_draft and r.k > 0]
+    if model_rows:
+        assert draft_model is not None, "model-drafting rows need the batch's draft model"
+        reqs = [DraftRow(rows[i].slot, rows[i].seq, rows[i].k, rows[i].params, rows[i].generator,
+                         rows[i].min_confidence) for i in model_rows]
+        for i, p in zip(model_rows, draft_model.propose(reqs), strict=True):
+            proposals[i] = p
+    for i, r in enumerate(rows):
+        if r.drafter is not None and r.k > 0:
+            proposals[i] = r.drafter.propose(r.seq, r.k, r.params, r.generator)
+    drafts = [p.tokens[:r.k] for p, r in zip(proposals, rows, strict=True)]
+    t1 = time.perf_counter()
+
+    # 2. Score: one forward over the slot span, each row padded to the widest k + 1.
+    lo, hi = min(r.slot for r in rows), max(r.slot for r in rows) + 1
+    width = max(len(d) for d in drafts) + 1
+    starts = list(cache.lengths[lo:hi])  # holes: dummies from their own length on
+    tokens = torch.zeros(hi - lo, width, dtype=torch.long)
+    for r, d in zip(rows, drafts, strict=True):
+        real = [r.seq[-1], *d]
+        tokens[r.slot - lo] = torch.tensor(real + [real[-1]] * (width - len(real)))
+        starts[r.slot - lo] = len(r.seq) - 1
+    pos = torch.tensor(starts).unsqueeze(1) + torch.arange(width)
+    logits = target(tokens.to(target.device), pos.to(target.device), cache, kv_len=int(pos.max()) + 1,
+                     rows=slice(lo, hi))
+    t2 = time.perf_counter()
+
+    # 3. Verify each row against its own slice of the logits, with its own generator.
+    report = StepReport(len(rows), hi - lo, width, 0, t1 - t0, t2 - t1, 0.0)
+    for r, d, p in zip(rows, drafts, proposals, strict=True):
+        row_logits = logits[r.slot - lo, : len(d) + 1]
+        if r.params.greedy:
+            n, extra = verify_greedy(d, row_logits)
+        else:
+            q = None if p.probs is None else p.probs[: len(d)]
+            n, extra = verify_sampling(d, q, probs_from_logits(row_logits, r.params), r.generator)
+        # 4. Roll back to what was accepted: the row keeps K/V for seq[-1] and d1..dn.
+        cache.lengths[r.slot] = len(r.seq) + n
+        if r.model_draft and draft_model is not None:
+            draft_model.commit(r.slot, len(r.seq) + n)
+        elif r.drafter is not None:
+            r.drafter.commit(len(r.seq) + n)
+        r.metrics.record_step(r.k, len(d), n)
+        report.new_tokens.append(d[:n] + [extra])
+    t3 = time.perf_counter()
+    report.verify_s = t3 - t2
+    report.draft_forwards = (draft_model.forwards - forwards_before) if draft_model is not None else 0
+    # Each request waited for the whole step, so each is charged every stage's full time.
+    for r in rows:
+        for stage, s in (("propose", report.propose_s), ("score", report.score_s), ("verify", report.verify_s)):
+            r.metrics.stage_s[stage] += s
+    return report

@@ -1,0 +1,58 @@
+"""When a request stops, shared by the one-request :class:`Engine` loop and the :class:`BatchEngine`.
+
+A step yields 1 to k + 1 tokens at once; they are appended one by one so that EOS, a stop string
+or ``max_tokens`` hit in the middle of a step cut it exactly where plain decoding would have
+stopped. Keeping this in one place is what lets batched and single-request outputs match.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+
+from verispec.sampling import SamplingParams
+
+Decode = Callable[[list[int]], str | None]
+
+
+def k_cap(k: int, params: SamplingParams, n_out: int, room: int) -> int:
+    """The most drafts a step may score: ``k``, but never past ``max_tokens`` or the cache.
+
+    A step drafting k tokens yields up to k + 1 and writes k + 1 positions, hence the -1s.
+    """
+    return max(0, min(k, params.max_tokens - n_out - 1, room - 1))
+
+
+def hit_stop(out: list[int], stops: tuple[str, ...], decode: Decode) -> bool:
+    """True when the decoded tail of ``out`` contains one of ``stops``."""
+    # Only the tail can hold a stop string completed by the newest token.
+    window = max(len(s) for s in stops) + 8
+    text = decode(out[-window:]) or ""
+    return any(s in text for s in stops)
+
+
+def append_tokens(new: list[int], seq: list[int], out: list[int], params: SamplingParams, eos_ids: Collection[int],
+                  decode: Decode) -> str | None:
+    """Append a step's ``new`` tokens to ``seq`` and ``out`` up to the first stop condition.
+
+    Returns the finish reason (``"stop"`` for EOS or a stop string, ``"length"`` for
+    ``max_tokens``) or None to go on. EOS itself is not appended.
+    """
+    for tok in new:
+        if tok in eos_ids and not params.ignore_eos:
+            return "stop"
+        seq.append(tok)
+        out.append(tok)
+        if params.stop and hit_stop(out, params.stop, decode):
+            return "stop"
+        if len(out) >= params.max_tokens:
+            return "length"
+    return None
+
+
+def final_text(text: str | None, stops: tuple[str, ...]) -> str | None:
+    """The decoded output cut before the first stop string it contains."""
+    if text is not None and stops:
+        cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
+        if cut >= 0:
+            text = text[:cut]
+    return text

@@ -1,0 +1,49 @@
+"""The server's settings, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from verispec.config import SpecConfig
+from verispec.errors import VerispecError
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """How the HTTP server behaves; the engine itself is configured separately.
+
+    ``spec`` is the speculation used for requests routed to the speculative path (a request
+    may name another method or k); ``spec_fraction`` is the canary share of requests routed
+    there when a request does not choose itself. ``admin_token`` guards the admin endpoints,
+    which are disabled without one.
+    """
+
+    model_name: str
+    spec: SpecConfig = field(default_factory=SpecConfig)
+    spec_fraction: float = 1.0
+    host: str = "127.0.0.1"
+    port: int = 8000
+    admin_token: str | None = None
+    max_queue: int = 64  # requests waiting for the worker; more are refused with 429
+    retry_after_s: int = 1  # the Retry-After a refused client is given
+    default_max_tokens: int = 16  # /v1/completions without max_tokens (OpenAI's default)
+    stats_window_s: float = 60.0  # the window /stats and the dashboard summarise
+    shutdown_timeout_s: float = 10.0  # how long shutdown waits for the worker to stop
+
+    def __post_init__(self) -> None:
+        if not self.model_name:
+            raise VerispecError("the served model needs a name")
+        if not 0.0 <= self.spec_fraction <= 1.0:
+            raise VerispecError(f"spec_fraction must be in [0, 1] (got {self.spec_fraction!r})")
+        if not 0 <= self.port <= 65535:
+            raise VerispecError(f"port must be in [0, 65535] (got {self.port!r})")
+        if self.max_queue < 1:
+            raise VerispecError(f"max_queue must be at least 1 (got {self.max_queue!r})")
+        if self.retry_after_s < 0:
+            raise VerispecError("retry_after_s must be >= 0")
+        if self.default_max_tokens < 1:
+            raise VerispecError("default_max_tokens must be at least 1")
+        if self.stats_window_s <= 0 or self.shutdown_timeout_s <= 0:
+            raise VerispecError("stats_window_s and shutdown_timeout_s must be positive")
+        if self.admin_token is not None and len(self.admin_token) < 8:
+            raise VerispecError("the admin token must have at least 8 characters")
