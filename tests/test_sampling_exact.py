@@ -270,7 +270,7 @@ def test_verify_sampling_never_accepts_a_zero_probability_token(monkeypatch):
     # Keep x with probability min(1, p(x)/q(x)): a token the target forbids (p(x) = 0, e.g. cut by
     # top-k) must never be kept, including when the uniform draw u is exactly 0 (torch.rand's range
     # is [0, 1), so u = 0 happens about once per 2**24 draws).
-    monkeypatch.setattr(torch, "rand", lambda n, generator=None: torch.zeros(n))
+    monkeypatch.setattr(torch, "rand", lambda n, generator=None, **kw: torch.zeros(n))
     p = torch.tensor([[0.5, 0.5, 0.0], [0.2, 0.3, 0.5]])
     for draft_probs in (torch.tensor([[0.0, 0.0, 1.0]]), None):
         n, extra = verify_sampling([2], draft_probs, p, torch.Generator().manual_seed(0))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
@@ -19,6 +20,23 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights", default="dense", help="target weight format: dense or int8")
     p.add_argument("--draft-weights", default="dense", help="draft weight format: dense or int8")
     p.add_argument("--max-len", type=int, default=4096, help="KV cache positions per sequence")
+    p.add_argument("--device", default="cpu", help="where both models run (cpu, cuda, cuda:1, ...)")
+    p.add_argument("--target-device", help="the target's device (default: --device)")
+    p.add_argument("--draft-device", help="the draft model's device (default: --device)")
+    p.add_argument("--tp", type=int, default=int(os.environ.get("WORLD_SIZE", 1)),
+                   help="tensor-parallel ranks for the target; launch with torchrun --nproc-per-node N "
+                   "(default: WORLD_SIZE, else 1)")
+
+
+def _engine_kwargs(args: argparse.Namespace) -> dict:
+    """EngineConfig fields from the engine arguments (besides model and draft)."""
+    return dict(dtype=args.dtype, weights=args.weights, draft_weights=args.draft_weights, max_len=args.max_len,
+                device=args.device, target_device=args.target_device, draft_device=args.draft_device)
+
+
+def _no_tp(args: argparse.Namespace) -> None:
+    if args.tp > 1:
+        raise VerispecError(f"--tp is supported by `verispec generate` only ({args.command} runs one process)")
 
 
 def _add_spec_args(p: argparse.ArgumentParser) -> None:
@@ -44,9 +62,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed, stop=tuple(args.stop or ()), ignore_eos=args.ignore_eos)
     spec = _spec_from(args)
-    engine = Engine.from_pretrained(args.model, draft=args.draft, dtype=args.dtype, weights=args.weights,
-                                    draft_weights=args.draft_weights, max_len=args.max_len)
-    result = engine.generate(args.prompt, params, spec, chat=args.chat)[0]
+    if args.tp > 1:  # one process per rank: rank 0 generates, the others follow its target forwards
+        from verispec.parallel import tp
+
+        engine = tp.tp_engine(args.model, args.draft, tp=args.tp, **_engine_kwargs(args))
+        if engine is None:
+            tp.shutdown()
+            return 0
+        try:
+            result = engine.generate(args.prompt, params, spec, chat=args.chat)[0]
+        finally:
+            tp.shutdown(engine)
+    else:
+        engine = Engine.from_pretrained(args.model, draft=args.draft, **_engine_kwargs(args))
+        result = engine.generate(args.prompt, params, spec, chat=args.chat)[0]
     m = result.metrics
     if args.json:
         print(json.dumps({"text": result.text, "token_ids": result.token_ids, "finish_reason": result.finish_reason,
@@ -100,8 +129,8 @@ def cmd_advise(args: argparse.Namespace) -> int:
         from verispec.bench.datasets import jsonl
 
         prompts = [p.text for p in jsonl(args.prompts, n=args.n)]
-    engine = Engine.from_pretrained(args.model, draft=args.draft, dtype=args.dtype, weights=args.weights,
-                                    draft_weights=args.draft_weights, max_len=args.max_len)
+    _no_tp(args)
+    engine = Engine.from_pretrained(args.model, draft=args.draft, **_engine_kwargs(args))
     result = advise(engine, prompts, k_max=args.k_max, tokens=args.max_tokens, out=args.out)
     print(format_advice(result))
     print(f"\nwrote {args.out}/advise.json and {args.out}/advise.png")
@@ -126,8 +155,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = ServerConfig(model_name=args.served_model_name or args.model, spec=_spec_from(args),
                           spec_fraction=args.spec_fraction, host=args.host, port=args.port, admin_token=token,
                           max_queue=args.max_queue)
-    engine = Engine.from_pretrained(args.model, draft=args.draft, dtype=args.dtype, weights=args.weights,
-                                    draft_weights=args.draft_weights, max_len=args.max_len)
+    _no_tp(args)
+    engine = Engine.from_pretrained(args.model, draft=args.draft, **_engine_kwargs(args))
     serve(engine, config, log_level="info" if args.verbose else "warning")
     return 0
 

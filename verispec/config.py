@@ -50,15 +50,29 @@ class EngineConfig:
     weights: str = "dense"
     draft_weights: str = "dense"
     max_len: int = 4096
-    device: str = "cpu"
+    device: str = "cpu"  # where both models live unless target_device / draft_device say otherwise
     progress: bool = True
     compile: bool = False  # torch.compile the forwards (static shapes; CUDA graphs on GPUs)
     compile_k: int = 8  # with compile: warm up verification shapes up to k + 1 tokens
+    target_device: str | None = None  # None: device
+    draft_device: str | None = None  # None: device
+    tp: int = 1  # tensor-parallel ranks for the target (see verispec.parallel.tp; launched with torchrun)
 
     def __post_init__(self) -> None:
-        resolve_dtype(self.dtype, self.device)
+        if self.target_device is None:
+            object.__setattr__(self, "target_device", self.device)
+        if self.draft_device is None:
+            object.__setattr__(self, "draft_device", self.device)
+        resolve_dtype(self.dtype, self.target_device)
         if self.draft_dtype is not None:
-            resolve_dtype(self.draft_dtype, self.device)
+            resolve_dtype(self.draft_dtype, self.draft_device)
+        if not isinstance(self.tp, int) or self.tp < 1:
+            raise VerispecError(f"tp must be an integer >= 1 (got {self.tp!r})")
+        if self.tp > 1 and self.weights != "dense":
+            raise VerispecError(f"tensor parallelism shards dense weights only; the target's '{self.weights}' "
+                                "weights (int8/int4) cannot be split (use --weights dense with --tp)")
+        if self.tp > 1 and self.compile:
+            raise VerispecError("--compile is not supported with tensor parallelism yet")
         for w in (self.weights, self.draft_weights):
             if w not in WEIGHT_FORMATS:
                 raise VerispecError(f"unknown weight format '{w}' (choose from {', '.join(WEIGHT_FORMATS)})")

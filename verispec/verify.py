@@ -32,12 +32,14 @@ def verify_sampling(draft: list[int], draft_probs: torch.Tensor | None, target_p
     k = len(draft)
     if k == 0:
         return 0, sample(target_probs[0], generator)
-    idx = torch.tensor(draft)
-    rows = torch.arange(k)
+    device = target_probs.device
+    idx = torch.tensor(draft, device=device)
+    rows = torch.arange(k, device=device)
     p_x = target_probs[rows, idx]
-    q_x = torch.ones(k) if draft_probs is None else draft_probs[rows, idx]
-    u = torch.rand(k, generator=generator)
-    rejected = (u * q_x > p_x).nonzero()
+    q_x = torch.ones(k, device=device) if draft_probs is None else draft_probs[rows, idx]
+    u = torch.rand(k, generator=generator, device=device)
+    # Accept iff u < p/q; written without the division, and ">=" so a token with p(x) = 0 never survives u = 0.
+    rejected = (u * q_x >= p_x).nonzero()
     if len(rejected) == 0:
         return k, sample(target_probs[k], generator)
     n = int(rejected[0])

@@ -18,12 +18,9 @@ __all__ = ["Drafter", "Proposal", "make_drafter"]
 def make_drafter(spec: SpecConfig, engine: Engine) -> Drafter:
     """Build the drafter ``spec.method`` names, for ``engine``'s target (and draft model)."""
     if spec.method == "draft":
-        from verispec.drafters.model import ModelDrafter
-
         if engine.draft is None:
             raise VerispecError("method 'draft' needs a draft model (--draft)")
-        threshold = spec.confidence if spec.k_policy == "confidence" else 0.0
-        return ModelDrafter(engine.draft, engine.cache_len, engine.target.args.vocab_size, threshold)
+        return _model_drafter(spec, engine)
     if spec.method == "ngram":
         from verispec.drafters.ngram import NgramDrafter
 
@@ -43,6 +40,12 @@ def make_drafter(spec: SpecConfig, engine: Engine) -> Drafter:
 
 def _min_confidence(spec: SpecConfig) -> float:
     return spec.confidence if spec.k_policy == "confidence" else 0.0
+
+
+def _model_drafter(spec: SpecConfig, engine: Engine) -> Drafter:
+    from verispec.drafters.model import ModelDrafter
+
+    return ModelDrafter(engine.draft, engine.cache_len, engine.target.args.vocab_size, _min_confidence(spec))
 
 
 def _open_datastore(spec: SpecConfig, engine: Engine) -> Datastore:
@@ -66,15 +69,13 @@ def _make_hybrid(spec: SpecConfig, engine: Engine) -> Drafter:
     """
     from verispec.drafters.hybrid import HybridDrafter
     from verispec.drafters.layerskip import LayerSkipDrafter
-    from verispec.drafters.model import ModelDrafter
     from verispec.drafters.ngram import NgramDrafter
     from verispec.drafters.retrieval import RetrievalDrafter
 
     retrieval = RetrievalDrafter(_open_datastore(spec, engine)) if spec.datastore else None
     model: Drafter | None = None
     if engine.draft is not None:
-        model = ModelDrafter(engine.draft, engine.config.max_len, engine.target.args.vocab_size,
-                             _min_confidence(spec))
+        model = _model_drafter(spec, engine)
     elif spec.layers is not None:
         model = LayerSkipDrafter(engine.target, engine.cache, spec.layers, _min_confidence(spec))
     return HybridDrafter(NgramDrafter(spec.ngram_max, spec.ngram_min), model, retrieval)

@@ -22,6 +22,10 @@ class ModelDrafter(Drafter):
         self.cache = model.new_cache(1, max_len)
         # Draft and target embeddings may differ in padding rows; q must live on the target's vocabulary.
         self.vocab_size = vocab_size or model.args.vocab_size
+        # A request's generator lives on the target's device; drafting elsewhere samples from a
+        # generator of its own on the draft's device, seeded once per request from the request's.
+        self._gen_of: torch.Generator | None = None
+        self._gen: torch.Generator | None = None
 
     def begin(self, prompt: list[int]) -> None:
         self.cache.reset(0)
@@ -34,9 +38,13 @@ class ModelDrafter(Drafter):
         k = min(k, self.cache.max_len - len(seq))
         tokens: list[int] = []
         probs: list[torch.Tensor] = []
+        device = self.model.device
+        if not params.greedy:
+            generator = self._local_generator(generator, device)
         for _ in range(k):
-            pos = torch.arange(start, start + len(feed)).unsqueeze(0)
-            logits = self.model(torch.tensor([feed]), pos, self.cache, kv_len=start + len(feed), last_only=True)[0, -1]
+            pos = torch.arange(start, start + len(feed), device=device).unsqueeze(0)
+            logits = self.model(torch.tensor([feed], device=device), pos, self.cache, kv_len=start + len(feed),
+                                last_only=True)[0, -1]
             start += len(feed)
             self.cache.lengths[0] = start
             if logits.shape[-1] != self.vocab_size:
@@ -54,6 +62,14 @@ class ModelDrafter(Drafter):
             tokens.append(tok)
             feed = [tok]
         return Proposal(tokens, torch.stack(probs) if probs else None)
+
+    def _local_generator(self, generator: torch.Generator | None, device: torch.device) -> torch.Generator | None:
+        if generator is None or generator.device == device:
+            return generator
+        if self._gen_of is not generator:
+            seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device))
+            self._gen_of, self._gen = generator, torch.Generator(device=device).manual_seed(seed)
+        return self._gen
 
     def commit(self, n_valid: int) -> None:
         self.cache.lengths[0] = min(self.cache.lengths[0], n_valid)

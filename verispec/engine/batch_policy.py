@@ -35,7 +35,7 @@ class CostCurve:
     """
 
     points: dict[int, float]
-    smoothing: float = 0.1  # weight of a new observation
+    smoothing: float = 0.1  # weight of a new observation; 0 freezes the curve
 
     def __call__(self, tokens: int) -> float:
         xs = sorted(self.points)
@@ -57,6 +57,8 @@ class CostCurve:
 
     def observe(self, tokens: int, seconds: float) -> None:
         """Fold in one measured forward (a new point if ``tokens`` was never measured)."""
+        if self.smoothing <= 0:
+            return
         old = self.points.get(tokens)
         self.points[tokens] = seconds if old is None else old + self.smoothing * (seconds - old)
 
@@ -71,9 +73,13 @@ class BatchCostModel:
     target: CostCurve
     draft: CostCurve | None = None
 
-    def step_s(self, rows: int, k: int) -> float:
-        """Predicted seconds of one step of ``rows`` rows padded to ``k`` drafts each."""
-        draft = k * self.draft(rows) if self.draft is not None and k > 0 else 0.0
+    def step_s(self, rows: int, k: int, draft_k: int | None = None) -> float:
+        """Predicted seconds of one step of ``rows`` rows padded to ``k`` drafts each.
+
+        ``draft_k`` lockstep draft forwards run (default ``k``; 0 when only lookup drafters draft).
+        """
+        draft_k = k if draft_k is None else draft_k
+        draft = draft_k * self.draft(rows) if self.draft is not None and draft_k > 0 else 0.0
         return draft + self.target(rows * (k + 1))
 
 
@@ -104,6 +110,7 @@ class RowPlan:
     cap: int
     acceptance: float | None = None  # None: the row's k is fixed (``fixed_k``)
     fixed_k: int = 0
+    model_draft: bool = True  # drafts with the draft model (costs forwards), not a lookup
 
 
 @dataclass
@@ -123,13 +130,15 @@ class BatchPolicy:
 
     def goodput(self, plans: list[RowPlan], k: int, span: int | None = None, optimistic: bool = False) -> float:
         """Predicted tokens per second of the whole batch if governed rows draft ``k``."""
-        tokens, width = 0.0, 0
+        tokens, width, draft_k = 0.0, 0, 0
         for p in plans:
             kr = p.fixed_k if p.acceptance is None else min(k, p.cap)
             a = 1.0 if optimistic else (p.acceptance if p.acceptance is not None else 0.6)
             tokens += expected_tokens(a, kr) if kr > 0 else 1.0
             width = max(width, kr)
-        return tokens / self.costs.step_s(span or len(plans), width)
+            if p.model_draft:
+                draft_k = max(draft_k, kr)
+        return tokens / self.costs.step_s(span or len(plans), width, draft_k)
 
     def choose(self, plans: list[RowPlan], span: int | None = None) -> int:
         """k for the governed rows of the next step (each still capped by its own ``cap``)."""

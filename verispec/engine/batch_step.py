@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -63,7 +64,9 @@ class StepReport:
     propose_s: float
     score_s: float
     verify_s: float
-    new_tokens: list[list[int]] = field(default_factory=list)
+    new_tokens: list[list[int]] = field(default_factory=list)  # per row: its 1..k+1 new tokens
+    drafted: list[int] = field(default_factory=list)  # per row
+    accepted: list[int] = field(default_factory=list)  # per row
 
     @property
     def scored_tokens(self) -> int:
@@ -102,6 +105,8 @@ def batched_step(target: Transformer, cache: KVCache, rows: list[Row], draft_mod
     pos = torch.tensor(starts).unsqueeze(1) + torch.arange(width)
     logits = target(tokens.to(target.device), pos.to(target.device), cache, kv_len=int(pos.max()) + 1,
                      rows=slice(lo, hi))
+    if logits.device.type == "cuda":  # charge the forward to "score", not to the first sync in "verify"
+        torch.cuda.synchronize(logits.device)
     t2 = time.perf_counter()
 
     # 3. Verify each row against its own slice of the logits, with its own generator.
@@ -121,6 +126,8 @@ def batched_step(target: Transformer, cache: KVCache, rows: list[Row], draft_mod
             r.drafter.commit(len(r.seq) + n)
         r.metrics.record_step(r.k, len(d), n)
         report.new_tokens.append(d[:n] + [extra])
+        report.drafted.append(len(d))
+        report.accepted.append(n)
     t3 = time.perf_counter()
     report.verify_s = t3 - t2
     report.draft_forwards = (draft_model.forwards - forwards_before) if draft_model is not None else 0
@@ -129,3 +136,40 @@ def batched_step(target: Transformer, cache: KVCache, rows: list[Row], draft_mod
         for stage, s in (("propose", report.propose_s), ("score", report.score_s), ("verify", report.verify_s)):
             r.metrics.stage_s[stage] += s
     return report
+
+
+@dataclass
+class BatchStats:
+    """Engine-wide counters of a :class:`~verispec.engine.batch.BatchEngine`: what its steps did.
+
+    ``width_steps`` counts steps by padded width (k + 1 of the widest row), ``policy_k`` the k the
+    concurrency-aware policy chose, ``rows_steps`` steps by number of rows. Finished requests'
+    own :class:`Metrics` are merged into ``requests``.
+    """
+
+    steps: int = 0
+    step_s: float = 0.0
+    scored_tokens: int = 0
+    prefill_tokens: int = 0
+    prefill_s: float = 0.0
+    rows_steps: dict[int, int] = field(default_factory=dict)
+    width_steps: dict[int, int] = field(default_factory=dict)
+    policy_k: dict[int, int] = field(default_factory=dict)
+    requests: Metrics = field(default_factory=Metrics)
+
+    def record(self, report: StepReport, policy_k: int | None) -> None:
+        self.steps += 1
+        self.step_s += report.propose_s + report.score_s + report.verify_s
+        self.scored_tokens += report.scored_tokens
+        self.rows_steps[report.rows] = self.rows_steps.get(report.rows, 0) + 1
+        self.width_steps[report.width] = self.width_steps.get(report.width, 0) + 1
+        if policy_k is not None:
+            self.policy_k[policy_k] = self.policy_k.get(policy_k, 0) + 1
+
+    def summary(self) -> dict[str, Any]:
+        """Plain JSON-able counters (the merged request metrics under ``requests``)."""
+        d = {name: getattr(self, name) for name in ("steps", "step_s", "scored_tokens", "prefill_tokens",
+                                                     "prefill_s", "rows_steps", "width_steps", "policy_k")}
+        d["mean_rows"] = sum(b * c for b, c in self.rows_steps.items()) / self.steps if self.steps else 0.0
+        d["requests"] = self.requests.summary()
+        return d

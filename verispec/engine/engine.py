@@ -103,12 +103,16 @@ class Engine:
         draft_tok = load_tokenizer(dsrc) if dsrc is not None else None
         if dsrc is not None:  # refuse a mismatched pair before spending time on weights
             check_tokenizers_match(tokenizer, draft_tok, src.args.vocab_size, dsrc.args.vocab_size)
-        dtype = resolve_dtype(config.dtype, config.device)
-        target = build_model(src, dtype, config.weights, config.progress).to(config.device)
+        dtype = resolve_dtype(config.dtype, config.target_device)
+        target = build_model(src, dtype, config.weights, config.progress).to(config.target_device)
+        if config.tp > 1:  # rank 0 of a torchrun launch: shard, and mirror every target forward on the other ranks
+            from verispec.parallel.tp import lead
+
+            target = lead(target, config.tp)
         draft_model = None
         if dsrc is not None:
-            ddtype = resolve_dtype(config.draft_dtype or config.dtype, config.device)
-            draft_model = build_model(dsrc, ddtype, config.draft_weights, config.progress).to(config.device)
+            ddtype = resolve_dtype(config.draft_dtype or config.dtype, config.draft_device)
+            draft_model = build_model(dsrc, ddtype, config.draft_weights, config.progress).to(config.draft_device)
         logger.info("loaded %s (%s)%s", src.path.name, dtype, f" with draft {draft}" if draft else "")
         return cls(config, target, tokenizer, src.eos_token_ids, draft_model, draft_tok)
 
@@ -138,14 +142,17 @@ class Engine:
         context = max(2, min(context, self.config.max_len - k_max - 2))
         seq = [(7 * i + 3) % vocab for i in range(context)]
         self.cache.reset(0)
-        self.target(torch.tensor([seq[:-1]]), torch.arange(context - 1).unsqueeze(0), self.cache, last_only=True)
+        dev = self.target.device
+        self.target(torch.tensor([seq[:-1]], device=dev), torch.arange(context - 1, device=dev).unsqueeze(0),
+                    self.cache, last_only=True)
         self.cache.lengths[0] = context - 1
         verify_s = []
         for m in range(1, k_max + 2):
             times = []
             for _ in range(reps):
                 t0 = time.perf_counter()
-                self.target(torch.tensor([seq[-m:]]), torch.arange(context - 1, context - 1 + m).unsqueeze(0),
+                self.target(torch.tensor([seq[-m:]], device=dev),
+                            torch.arange(context - 1, context - 1 + m, device=dev).unsqueeze(0),
                             self.cache, kv_len=context - 1 + m)
                 times.append(time.perf_counter() - t0)
             verify_s.append(sorted(times)[len(times) // 2])
@@ -234,14 +241,16 @@ class Engine:
         policy = make_policy(spec, self.cost_model(spec, drafter) if spec.k_policy == "cost" and drafter else None)
         m = Metrics(requests=1, prompt_tokens=len(prompt))
         t0 = time.perf_counter()
-        generator = None if params.greedy else params.generator()
+        # On the target's device: verification samples there (the draft keeps its own if elsewhere).
+        generator = None if params.greedy else params.generator(self.target.device)
         seq = list(prompt)
         # Prefill all but the last prompt token: the first step scores it with the first draft.
         self.cache.reset(0)
         if len(prompt) > 1:
             with m.timed("prefill"):
-                pos = torch.arange(len(prompt) - 1).unsqueeze(0)
-                self.target(torch.tensor([prompt[:-1]]), pos, self.cache, last_only=True)
+                dev = self.target.device
+                pos = torch.arange(len(prompt) - 1, device=dev).unsqueeze(0)
+                self.target(torch.tensor([prompt[:-1]], device=dev), pos, self.cache, last_only=True)
                 self.cache.lengths[0] = len(prompt) - 1
         if drafter is not None:
             drafter.begin(prompt)

@@ -38,7 +38,8 @@ def speculative_step(target: Transformer, cache: KVCache, seq: list[int], drafte
         if params.greedy:
             n, extra = verify_greedy(draft, logits)
         else:
-            q = None if proposal.probs is None else proposal.probs[: len(draft)]
+            # The draft's distributions cross to the target's device once per step (a no-op when they share one).
+            q = None if proposal.probs is None else proposal.probs[: len(draft)].to(logits.device)
             n, extra = verify_sampling(draft, q, probs_from_logits(logits, params), generator)
 
     # 4. Roll both back to what was accepted: the target keeps K/V for seq[-1] and d1..dn.

@@ -1,0 +1,308 @@
+"""Continuous batching with batched speculative decoding: every request gets exactly what it would alone.
+
+Greedy outputs of the batch engine equal Engine.generate per request (plain, draft model, n-gram,
+the concurrency-aware policy; batches of 1..8 with mixed prompt lengths and max_tokens); requests
+arriving or cancelled mid-flight leave the others unchanged and give their slot and KV tokens back;
+seeded sampling does not depend on batch companions; the policy turns speculation off when a
+(synthetic) cost curve says verification is compute-bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+
+import pytest
+from drafters_common import build_tok_model
+
+from verispec import Engine, EngineConfig, SamplingParams, SpecConfig, VerispecError
+from verispec.engine.batch import BatchEngine
+from verispec.engine.batch_policy import BatchCostModel, BatchPolicy, CostCurve, RowPlan
+from verispec.engine.scheduler import Scheduler
+
+# make_tiny's eos_token_id, plus a token the tiny target emits often, so that some requests stop early.
+EOS_IDS = {1, 26}
+MAX_LEN = 128
+# Different lengths (1 to 17 tokens), with repeats so the n-gram drafter finds matches.
+PROMPTS = [[2], [3, 5, 7, 9, 3, 5, 7], [10, 20, 30, 40, 10, 20], [11, 12, 13, 11, 12, 13, 11, 12, 13, 11],
+           [40, 41], [50, 51, 52, 53, 54, 50, 51, 52, 53, 54, 50, 51, 52, 53, 54, 50, 51],
+           [60, 61, 62, 63, 60], [70, 71, 72, 73, 74, 75, 76, 77, 70, 71, 72, 73]]
+# Different max_tokens; half the requests may stop at an EOS id.
+PARAMS = [SamplingParams(max_tokens=8 + 5 * i, ignore_eos=i % 2 == 1) for i in range(len(PROMPTS))]
+SPECS = {
+    "plain": SpecConfig(method="none", k=0),
+    "draft": SpecConfig(method="draft", k=4),
+    "ngram": SpecConfig(method="ngram", k=3),
+    "draft-cost": SpecConfig(method="draft", k=6, k_policy="cost"),
+}
+
+
+def make_engine(target, draft=None) -> Engine:
+    cfg = EngineConfig(model="tiny", dtype="float32", max_len=MAX_LEN, progress=False)
+    return Engine(cfg, target.model, None, EOS_IDS, draft=None if draft is None else draft.model)
+
+
+@pytest.fixture(scope="module")
+def engine(qwen2_tiny, qwen2_noisy_draft_tiny) -> Engine:
+    """The target with a noisy copy as draft: drafts are accepted sometimes, rejected sometimes."""
+    return make_engine(qwen2_tiny, qwen2_noisy_draft_tiny)
+
+
+@pytest.fixture(scope="module")
+def reference(engine) -> dict[str, list[list[int]]]:
+    """Each request decoded alone by Engine.generate, per method."""
+    return {name: [engine.generate(p, pa, spec)[0].token_ids for p, pa in zip(PROMPTS, PARAMS, strict=True)]
+            for name, spec in SPECS.items()}
+
+
+def test_reference_is_not_degenerate(reference):
+    plain = reference["plain"]
+    assert all(len(set(ids)) >= 3 for ids in plain if len(ids) >= 8)
+    assert any(len(ids) < pa.max_tokens for ids, pa in zip(plain, PARAMS, strict=True))  # some stop at EOS
+    assert all(v == plain for v in reference.values())  # greedy speculation is lossless
+
+
+@pytest.mark.parametrize("method", list(SPECS))
+@pytest.mark.parametrize("batch", range(1, 9))
+def test_greedy_batch_matches_engine(engine, reference, method, batch):
+    be = BatchEngine(engine, max_batch=batch)
+    results = be.generate_batch(PROMPTS[:batch], PARAMS[:batch], SPECS[method])
+    assert [r.token_ids for r in results] == reference[method][:batch]
+    assert all(r.finish_reason in ("stop", "length") for r in results)
+    assert be.free_slots == batch and be.kv_used_tokens == 0 and be.num_running == 0
+    if method != "plain":
+        assert sum(r.metrics.drafted for r in results) > 0 or method == "draft-cost"
+
+
+def test_queueing_and_mixed_specs_match_engine(engine, reference):
+    # 8 requests through 3 slots, each with its own method: admission as slots free up.
+    be = BatchEngine(engine, max_batch=3)
+    names = [list(SPECS)[i % len(SPECS)] for i in range(len(PROMPTS))]
+    results = be.generate_batch(PROMPTS, PARAMS, [SPECS[n] for n in names])
+    assert [r.token_ids for r in results] == [reference[n][i] for i, n in enumerate(names)]
+    assert max(be.stats.rows_steps) == 3
+    assert be.free_slots == 3 and be.kv_used_tokens == 0
+
+
+def test_plain_batch_matches_plain_engine_for_fixed_k_of_every_size(engine, reference):
+    # Rows with different fixed k pad to the widest one; the padding must not leak into any row.
+    be = BatchEngine(engine, max_batch=8)
+    specs = [SpecConfig(method="draft", k=k) for k in (1, 2, 3, 5, 8, 0, 4, 7)]
+    results = be.generate_batch(PROMPTS, PARAMS, specs)
+    assert [r.token_ids for r in results] == reference["plain"]
+
+
+def test_chunked_prefill_matches(engine, reference):
+    be = BatchEngine(engine, max_batch=4, prefill_chunk=3)
+    results = be.generate_batch(PROMPTS, PARAMS, SPECS["draft"])
+    assert [r.token_ids for r in results] == reference["draft"]
+    assert be.stats.prefill_tokens == sum(len(p) - 1 for p in PROMPTS)
+
+
+def test_arrivals_and_cancellations_mid_flight(engine, reference):
+    spec = SPECS["draft"]
+    be = BatchEngine(engine, max_batch=4)
+    baseline = (be.free_slots, be.kv_used_tokens)
+    a = be.submit(PROMPTS[7], PARAMS[7], spec)
+    b = be.submit(PROMPTS[5], PARAMS[5], spec)
+    for _ in range(3):
+        be.step()
+    c = be.submit(PROMPTS[3], PARAMS[3], spec)  # arrives mid-flight
+    be.step()
+    used = be.kv_used_tokens
+    assert be.num_running == 3 and not b.done
+    assert b.cancel() and b.done and b.finish_reason == "cancelled"
+    # Freed at once: slot and reserved tokens.
+    assert be.num_running == 2 and be.free_slots == 2
+    assert be.kv_used_tokens == used - (len(PROMPTS[5]) + PARAMS[5].max_tokens)
+    partial = b.result().token_ids
+    assert 0 < len(partial) < len(reference["draft"][5]) and partial == reference["draft"][5][:len(partial)]
+    d = be.submit(PROMPTS[1], PARAMS[1], spec)  # takes the freed slot
+    be.step()
+    assert not b.cancel()  # already finished
+    be.run_until_done()
+    assert a.result().token_ids == reference["draft"][7]
+    assert c.result().token_ids == reference["draft"][3]
+    assert d.result().token_ids == reference["draft"][1]
+    assert (be.free_slots, be.kv_used_tokens, be.num_running) == baseline + (0,)
+
+
+def test_cancel_waiting_and_from_callback(engine, reference):
+    be = BatchEngine(engine, max_batch=1)
+    seen: list[list[int]] = []
+
+    def stop_after_two(tokens: list[int]) -> bool:
+        seen.append(tokens)
+        return len(seen) < 2
+
+    first = be.submit(PROMPTS[3], PARAMS[3], SPECS["ngram"], on_tokens=stop_after_two)
+    waiting = be.submit(PROMPTS[2], PARAMS[2])
+    last = be.submit(PROMPTS[4], PARAMS[4])
+    assert be.num_waiting == 3  # admission happens in step()
+    assert waiting.cancel() and be.num_waiting == 2
+    assert waiting.result().token_ids == [] and waiting.finish_reason == "cancelled"
+    be.run_until_done()
+    assert first.finish_reason == "cancelled" and first.result().token_ids == sum(seen, [])
+    assert last.result().token_ids == reference["plain"][4]
+    assert be.free_slots == 1 and be.kv_used_tokens == 0
+
+
+@pytest.mark.parametrize("spec", [SPECS["plain"], SPECS["draft"], SPECS["ngram"]], ids=["plain", "draft", "ngram"])
+def test_seeded_sampling_ignores_companions(engine, spec):
+    params = SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, seed=1234, ignore_eos=True)
+    prompt = PROMPTS[3]
+    alone = engine.generate(prompt, params, spec)[0].token_ids
+
+    be = BatchEngine(engine, max_batch=8)
+    solo = be.generate_batch([prompt], params, spec)[0].token_ids
+    others = [replace(params, seed=s) for s in (1, 2, 3)] + [SamplingParams(max_tokens=30)] * 2
+    crowd = be.generate_batch(PROMPTS[:5] + [prompt], others + [params], spec)[-1].token_ids
+    mixed = be.generate_batch([PROMPTS[1], prompt, PROMPTS[7], PROMPTS[0]], [others[0], params, others[3], others[1]],
+                              [SPECS["draft"], spec, SPECS["ngram"], SPECS["plain"]])[1].token_ids
+    assert solo == crowd == mixed == alone
+
+
+def test_seeded_sampling_with_arrivals(engine):
+    spec = SPECS["draft"]
+    params = SamplingParams(max_tokens=20, temperature=1.0, seed=99, ignore_eos=True)
+    be = BatchEngine(engine, max_batch=4)
+    h = be.submit(PROMPTS[1], params, spec)
+    be.step()
+    be.submit(PROMPTS[2], replace(params, seed=5), spec)
+    be.step()
+    be.submit(PROMPTS[4], SamplingParams(max_tokens=5), spec).cancel()
+    be.run_until_done()
+    assert h.result().token_ids == engine.generate(PROMPTS[1], params, spec)[0].token_ids
+
+
+def test_oversize_request_fails_at_submit(engine):
+    be = BatchEngine(engine, max_batch=2)
+    with pytest.raises(VerispecError, match="prompt \\+ max_tokens"):
+        be.submit(PROMPTS[7], SamplingParams(max_tokens=MAX_LEN))
+    small = BatchEngine(engine, max_batch=2, kv_budget_tokens=40)
+    with pytest.raises(VerispecError, match="KV budget holds 40"):
+        small.submit(PROMPTS[7], SamplingParams(max_tokens=30))
+    with pytest.raises(VerispecError):  # one bad prompt: nothing is queued
+        be.generate_batch([PROMPTS[0], PROMPTS[1]], [SamplingParams(), SamplingParams(max_tokens=MAX_LEN)])
+    assert be.num_waiting == 0 and be.kv_used_tokens == 0
+    with pytest.raises(VerispecError, match="layer-skip"):
+        be.submit(PROMPTS[0], SamplingParams(max_tokens=8), SpecConfig(method="layerskip", k=2))
+
+
+def test_memory_limit_sets_slots(engine):
+    one = BatchEngine(engine, max_batch=8)
+    per_slot = (one.cache.nbytes() + one.draft_model.cache.nbytes()) // one.slots
+    assert BatchEngine(engine, max_batch=8, memory_limit=3 * per_slot + 1).slots == 3
+    with pytest.raises(VerispecError, match="memory_limit"):
+        BatchEngine(engine, max_batch=8, memory_limit=per_slot // 2)
+
+
+def test_kv_budget_admits_fifo(engine, reference):
+    # Budget for about two requests at a time: the rest wait, in order, and still match.
+    be = BatchEngine(engine, max_batch=8, kv_budget_tokens=70)
+    results = be.generate_batch(PROMPTS[:6], PARAMS[:6], SPECS["ngram"])
+    assert [r.token_ids for r in results] == reference["ngram"][:6]
+    assert max(be.stats.rows_steps) <= 3
+
+
+def test_scheduler_is_fifo_without_overtaking():
+    s: Scheduler[str] = Scheduler(slots=3, budget=100, max_len=100)
+    for name, tokens in (("a", 60), ("b", 60), ("c", 10)):
+        s.submit(name, tokens)
+    assert [a.item for a in s.admit()] == ["a"]  # c fits but must not overtake b
+    s.release(0)
+    assert [(a.item, a.slot) for a in s.admit()] == [("b", 0), ("c", 1)]
+    assert s.used_tokens == 70 and s.free_slots == 1
+    with pytest.raises(VerispecError):
+        s.check(101)
+
+
+# -- the concurrency-aware policy ------------------------------------------------------------
+
+def compute_bound(ms_per_token: float = 1.0, flat_until: int = 4) -> BatchCostModel:
+    """A synthetic GPU: flat (memory-bound) up to ``flat_until`` scored tokens, then linear."""
+    t = ms_per_token / 1e3
+    return BatchCostModel(CostCurve({1: flat_until * t, flat_until: flat_until * t, 1024: 1024 * t}, smoothing=0),
+                          CostCurve({1: 0.2 * t, 64: 0.2 * t}, smoothing=0))
+
+
+def test_policy_speculates_alone_and_not_when_compute_bound():
+    policy = BatchPolicy(compute_bound())
+    alone = [RowPlan(cap=6, acceptance=0.8)]
+    crowd = [RowPlan(cap=6, acceptance=0.8)] * 16
+    assert policy.choose(alone) >= 2
+    assert policy.choose(crowd) == 0
+    # Even perfect acceptance cannot pay on a linear curve: no probing either.
+    linear = BatchPolicy(BatchCostModel(CostCurve({1: 1e-3, 100: 0.1}, smoothing=0)), probe_every=2)
+    assert [linear.choose([RowPlan(6, 0.99)] * 4) for _ in range(6)] == [0] * 6
+    # Fixed-k rows keep their k and widen the step for everyone.
+    mixed = [RowPlan(cap=6, acceptance=0.8), RowPlan(cap=6, fixed_k=5)]
+    assert policy.goodput(mixed, 0) < policy.goodput([RowPlan(cap=6, acceptance=0.8)] * 2, 0)
+
+
+def test_policy_picks_k0_in_the_engine_when_compute_bound(engine, reference):
+    spec = SPECS["draft-cost"]
+    be = BatchEngine(engine, max_batch=8, costs=BatchCostModel(CostCurve({1: 1e-3, 100: 0.1}, smoothing=0)))
+    results = be.generate_batch(PROMPTS, PARAMS, spec)
+    assert [r.token_ids for r in results] == reference["draft-cost"]
+    assert set(be.stats.policy_k) == {0}
+    assert all(set(r.metrics.k_chosen) == {0} for r in results)
+
+    flat = BatchCostModel(CostCurve({1: 1e-2, 1024: 1e-2}, smoothing=0), CostCurve({1: 1e-4}, smoothing=0))
+    be = BatchEngine(engine, max_batch=8, costs=flat)
+    results = be.generate_batch(PROMPTS, PARAMS, spec)
+    assert [r.token_ids for r in results] == reference["draft-cost"]
+    assert max(be.stats.policy_k) == spec.k  # memory-bound: speculate as far as allowed
+    assert be.stats.summary()["policy_k"] == be.stats.policy_k
+
+
+def test_profiled_costs_are_monotone(engine):
+    be = BatchEngine(engine, max_batch=4)
+    costs = be.profile(k_max=3, context=16)
+    assert set(costs.target.points) >= {1, 4, 16}
+    assert costs.draft is not None
+    values = [costs.target(t) for t in range(1, 40)]
+    assert values == sorted(values) and values[0] > 0
+
+
+# -- API: streaming, background runner, text and stop strings -----------------------------
+
+def test_streaming_sync_async_and_background(engine, reference):
+    be = BatchEngine(engine, max_batch=4)
+    h = be.submit(PROMPTS[5], PARAMS[5], SPECS["draft"])
+    chunks = list(h)  # drives the steps itself: no runner
+    assert sum(chunks, []) == reference["draft"][5] and len(chunks) > 1
+
+    async def consume() -> list[list[int]]:
+        handles = [be.submit(p, pa, SPECS["ngram"]) for p, pa in zip(PROMPTS[:3], PARAMS[:3], strict=True)]
+        streams = await asyncio.gather(*(_collect(x) for x in handles))
+        assert [(await x.aresult()).token_ids for x in handles] == [sum(s, []) for s in streams]
+        return [sum(s, []) for s in streams]
+
+    assert asyncio.run(consume()) == reference["ngram"][:3]
+    be.start()
+    try:
+        assert asyncio.run(consume()) == reference["ngram"][:3]
+        h = be.submit(PROMPTS[7], PARAMS[7], SPECS["plain"])
+        assert h.result(timeout=60).token_ids == reference["plain"][7]
+    finally:
+        be.stop()
+    assert not be.running and be.free_slots == 4
+
+
+async def _collect(handle) -> list[list[int]]:
+    return [chunk async for chunk in handle]
+
+
+def test_text_and_stop_strings_match_engine(tmp_path):
+    folder = build_tok_model(tmp_path / "tok")
+    engine = Engine.from_pretrained(str(folder), dtype="float32", max_len=MAX_LEN, progress=False)
+    prompts = ["write a story about the cat", "what is the dog ?", "hello world"]
+    plain = engine.generate(prompts[0], SamplingParams(max_tokens=12, ignore_eos=True), chat=True)[0]
+    stop = plain.text.split()[4]  # a word the greedy output is known to contain
+    params = SamplingParams(max_tokens=12, stop=(stop,))
+    ref = engine.generate(prompts, params, SpecConfig(method="ngram", k=3), chat=True)
+    got = BatchEngine(engine, max_batch=2).generate_batch(prompts, params, SpecConfig(method="ngram", k=3),
+                                                           chat=True)
+    assert [(r.token_ids, r.text, r.finish_reason) for r in got] == \
+        [(r.token_ids, r.text, r.finish_reason) for r in ref]

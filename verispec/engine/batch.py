@@ -1,0 +1,595 @@
+"""Continuous batching: many requests share one target forward per step, each speculating on its own.
+
+:class:`BatchEngine` wraps an :class:`~verispec.engine.engine.Engine` (its models, tokenizer and
+EOS ids) and owns batch-sized KV caches: one row ("slot") per running request. Each
+:meth:`BatchEngine.step` admits queued requests into free slots (FIFO, within the KV budget; see
+:mod:`verispec.engine.scheduler`), prefills newly admitted prompts in bounded chunks, then runs one
+batched speculative step (:mod:`verispec.engine.batch_step`) for every row that is ready. Finished
+and cancelled requests free their slot at once. ``start()`` runs steps on a background thread;
+without it, waiting on a handle drives the steps itself.
+
+Outputs equal the one-request engine's: same step, same stop conditions
+(:mod:`verispec.engine.stopping`), a generator per request. With the ``cost`` k policy the k of a
+step depends on the batch (see :mod:`verispec.engine.batch_policy`); greedy outputs stay identical
+and sampled ones exactly distributed, but which seeded sample a request gets then depends on load.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from verispec.config import PLAIN, SpecConfig
+from verispec.drafters import make_drafter
+from verispec.drafters.base import Drafter
+from verispec.engine.batch_draft import MAX_LOCKSTEP_FEED, BatchDraftModel
+from verispec.engine.batch_policy import Acceptance, BatchCostModel, BatchPolicy, RowPlan, profile_costs
+from verispec.engine.batch_step import BatchStats, Row, batched_step
+from verispec.engine.engine import Engine, GenerationResult, Prompt
+from verispec.engine.metrics import Metrics
+from verispec.engine.policy import KPolicy, make_policy
+from verispec.engine.scheduler import Scheduler
+from verispec.engine.stopping import append_tokens, final_text, k_cap
+from verispec.errors import VerispecError
+from verispec.log import logger
+from verispec.sampling import SamplingParams
+
+# Cache positions past max_len: a row padded to the batch's widest k + 1 (k <= 64) writes up to
+# 64 positions past its own end, and the lockstep draft catch-up a few more.
+SLACK = 64 + 1 + MAX_LOCKSTEP_FEED + 4
+
+OnTokens = Callable[[list[int]], bool | None]
+
+
+class RequestHandle:
+    """A submitted request: stream its tokens, wait for its result, or cancel it.
+
+    Iterate (``for chunk in handle`` or ``async for chunk in handle``) for the token lists each
+    step adds; :meth:`result` blocks until it is done. Without a background runner
+    (:meth:`BatchEngine.start`), waiting drives the engine's steps from the waiting thread.
+    """
+
+    def __init__(self, engine: BatchEngine, request_id: int, prompt: list[int]) -> None:
+        self._engine, self.id, self.prompt_token_ids = engine, request_id, prompt
+        self._cond = threading.Condition()
+        self._chunks: deque[list[int]] = deque()
+        self._result: GenerationResult | None = None
+        self._error: BaseException | None = None
+        self._waker: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = None
+        self.submitted_at = time.perf_counter()
+        self.admitted_at: float | None = None
+        self.first_token_at: float | None = None
+        self.finished_at: float | None = None
+
+    @property
+    def done(self) -> bool:
+        return self._result is not None or self._error is not None
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self._result.finish_reason if self._result is not None else None
+
+    def cancel(self) -> bool:
+        """Stop the request now (finish reason ``"cancelled"``); False if it had already finished."""
+        return self._engine.cancel(self)
+
+    def result(self, timeout: float | None = None) -> GenerationResult:
+        """The finished request's result (blocks; drives the engine's steps when it has no runner)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self.done:
+            if not self._engine.running:
+                self._engine.step()
+                continue
+            with self._cond:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError(f"request {self.id} did not finish in {timeout} s")
+                self._cond.wait(left if left is not None else 0.5)
+        return self._outcome()
+
+    async def aresult(self) -> GenerationResult:
+        """:meth:`result` for asyncio code: never blocks the event loop."""
+        while not self.done:
+            await self._changed()
+        return self._outcome()
+
+    def __iter__(self) -> Iterator[list[int]]:
+        while True:
+            with self._cond:
+                if self._chunks:
+                    chunk = self._chunks.popleft()
+                elif self.done:
+                    self._outcome()  # raises the engine's error, if any
+                    return
+                else:
+                    chunk = None
+                    if self._engine.running:
+                        self._cond.wait(0.5)
+                        continue
+            if chunk is None:
+                self._engine.step()
+            else:
+                yield chunk
+
+    def __aiter__(self) -> RequestHandle:
+        return self
+
+    async def __anext__(self) -> list[int]:
+        while True:
+            with self._cond:
+                if self._chunks:
+                    return self._chunks.popleft()
+                if self.done:
+                    self._outcome()
+                    raise StopAsyncIteration
+            await self._changed()
+
+    async def _changed(self) -> None:
+        # Wait for the engine thread to push something, or run one step off the event loop.
+        if not self._engine.running:
+            await asyncio.to_thread(self._engine.step)
+            return
+        event = asyncio.Event()
+        with self._cond:
+            if self._chunks or self.done:
+                return
+            self._waker = (asyncio.get_running_loop(), event)
+        await event.wait()
+
+    def _outcome(self) -> GenerationResult:
+        if self._error is not None:
+            raise self._error
+        assert self._result is not None
+        return self._result
+
+    # -- called by the engine ------------------------------------------------------------
+
+    def _push(self, tokens: list[int]) -> None:
+        with self._cond:
+            if self.first_token_at is None:
+                self.first_token_at = time.perf_counter()
+            self._chunks.append(tokens)
+            self._wake()
+
+    def _finish(self, result: GenerationResult | None, error: BaseException | None = None) -> None:
+        with self._cond:
+            self.finished_at = time.perf_counter()
+            self._result, self._error = result, error
+            self._wake()
+
+    def _wake(self) -> None:
+        self._cond.notify_all()
+        if self._waker is not None:
+            loop, event = self._waker
+            self._waker = None
+            loop.call_soon_threadsafe(event.set)
+
+
+@dataclass(eq=False)
+class _Request:
+    """Engine-side state of one request."""
+
+    handle: RequestHandle
+    prompt: list[int]
+    params: SamplingParams
+    spec: SpecConfig
+    on_tokens: OnTokens | None
+    metrics: Metrics
+    row: Row | None = None
+    out: list[int] = field(default_factory=list)
+    prefilled: bool = False
+    kpolicy: KPolicy | None = None  # a per-request k policy (fixed, heuristic, confidence)
+    acceptance: Acceptance | None = None  # set for rows the batch policy governs (k_policy "cost")
+    done: bool = False
+
+
+class _DrafterPool:
+    """Drafters for per-row methods (n-gram, retrieval, hybrid), one per concurrently running request.
+
+    Drafters keep per-sequence state, so two rows never share one; finished requests return
+    theirs for reuse (``begin`` resets it), so a drafter is built at most once per slot.
+    """
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.free: dict[str, list[Drafter]] = {}
+
+    @staticmethod
+    def key(spec: SpecConfig) -> str:
+        return repr(replace(spec, k=0))  # everything but k identifies a drafter, as in Engine.drafter
+
+    def acquire(self, spec: SpecConfig) -> Drafter:
+        pool = self.free.setdefault(self.key(spec), [])
+        return pool.pop() if pool else make_drafter(spec, self.engine)
+
+    def release(self, spec: SpecConfig, drafter: Drafter) -> None:
+        self.free.setdefault(self.key(spec), []).append(drafter)
+
+
+class BatchEngine:
+    """Serves many requests at once with continuous batching and batched speculative decoding.
+
+    ``max_batch`` slots share one target forward per step. ``memory_limit`` (bytes of KV cache,
+    target and draft together) lowers the slot count so the static caches fit; ``kv_budget_tokens``
+    caps the tokens reserved by running requests (default: slots x max_len). ``prefill_chunk``
+    bounds the prompt tokens prefilled per step, so a long prompt delays running rows by at most
+    one chunk. ``costs`` gives the concurrency-aware policy a cost model (default: profiled on
+    first use, see :meth:`profile`).
+    """
+
+    def __init__(self, engine: Engine, max_batch: int = 8, max_len: int | None = None,
+                 memory_limit: int | None = None, kv_budget_tokens: int | None = None, prefill_chunk: int = 512,
+                 costs: BatchCostModel | None = None) -> None:
+        if engine.config.compile:
+            raise VerispecError("BatchEngine runs eager forwards (compiled graphs are specialised to one row); "
+                                "build the engine with compile=False")
+        if max_batch < 1 or prefill_chunk < 1:
+            raise VerispecError("max_batch and prefill_chunk must be at least 1")
+        self.engine, self.target, self.draft = engine, engine.target, engine.draft
+        rope_len = self.target.rope_cos.shape[0]
+        if self.draft is not None:
+            rope_len = min(rope_len, self.draft.rope_cos.shape[0])
+        self.max_len = min(max_len or engine.config.max_len, rope_len - SLACK)
+        if self.max_len < 2:
+            raise VerispecError(f"the model's {rope_len} positions leave no room for a batch context")
+        cache_len = self.max_len + SLACK
+        per_token = _kv_bytes_per_token(self.target) + (_kv_bytes_per_token(self.draft) if self.draft else 0)
+        slots = max_batch
+        if memory_limit is not None:
+            slots = min(max_batch, memory_limit // (cache_len * per_token))
+            if slots < 1:
+                raise VerispecError(f"memory_limit {memory_limit} B holds no slot of {self.max_len} tokens "
+                                    f"({cache_len * per_token} B each); lower max_len or raise the limit")
+        budget = slots * self.max_len if kv_budget_tokens is None else min(kv_budget_tokens, slots * self.max_len)
+        self.scheduler: Scheduler[_Request] = Scheduler(slots, budget, self.max_len)
+        self.cache = self.target.new_cache(slots, cache_len)
+        self.draft_model = (BatchDraftModel(self.draft, slots, cache_len, self.target.args.vocab_size)
+                            if self.draft is not None else None)
+        self.prefill_chunk = prefill_chunk
+        self.costs = costs
+        self.policy: BatchPolicy | None = None
+        self.stats = BatchStats()
+        self._drafters = _DrafterPool(engine)
+        self._running: dict[int, _Request] = {}  # slot -> request, in admission order
+        self._by_handle: dict[RequestHandle, _Request] = {}  # every request not finished yet
+        self._ids = itertools.count()
+        self._lock = threading.RLock()  # one step at a time; submit/cancel from any thread
+        self._work = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._failed: BaseException | None = None
+        logger.info("batch engine: %d slots of %d tokens, KV budget %d tokens (%.1f MiB of caches)", slots,
+                    self.max_len, budget, (self.cache.nbytes() + (self.draft_model.cache.nbytes()
+                                                                  if self.draft_model else 0)) / 2**20)
+
+    @classmethod
+    def from_pretrained(cls, model: str, draft: str | None = None, max_batch: int = 8, **kwargs: Any) -> BatchEngine:
+        """Load an :class:`Engine` (``kwargs``: its config fields) and batch it with ``max_batch`` slots."""
+        return cls(Engine.from_pretrained(model, draft, **kwargs), max_batch=max_batch)
+
+    # -- state ----------------------------------------------------------------------------
+
+    @property
+    def slots(self) -> int:
+        return self.scheduler.slots
+
+    @property
+    def free_slots(self) -> int:
+        return self.scheduler.free_slots
+
+    @property
+    def kv_budget_tokens(self) -> int:
+        return self.scheduler.budget
+
+    @property
+    def kv_used_tokens(self) -> int:
+        """KV tokens reserved by running requests (prompt + max_tokens each)."""
+        return self.scheduler.used_tokens
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._running or self.scheduler.waiting)
+
+    @property
+    def running(self) -> bool:
+        """True while the background runner is stepping."""
+        return self._thread is not None and self._thread.is_alive()
+
+    # -- requests -------------------------------------------------------------------------
+
+    def submit(self, prompt: Prompt, params: SamplingParams | None = None, spec: SpecConfig | None = None,
+               chat: bool = False, on_tokens: OnTokens | None = None) -> RequestHandle:
+        """Queue one request; returns its handle at once.
+
+        ``on_tokens(tokens)`` is called (on the stepping thread) with the tokens each step adds;
+        returning False cancels the request. Raises :class:`VerispecError` at once for a request
+        that can never run: a prompt + max_tokens beyond the context or KV budget, stop strings
+        without a tokenizer, a method the batch cannot serve.
+        """
+        params = params or SamplingParams()
+        spec = spec or PLAIN
+        if params.stop and self.engine.tokenizer is None:
+            raise VerispecError("stop strings need a tokenizer")
+        ids = self.engine.encode(prompt, chat)
+        self.scheduler.check(len(ids) + params.max_tokens)
+        self._check_spec(spec)
+        with self._lock:
+            if self._failed is not None:
+                raise VerispecError(f"the batch engine stopped after an error: {self._failed!r}")
+            handle = RequestHandle(self, next(self._ids), ids)
+            req = _Request(handle, ids, params, spec, on_tokens, Metrics(requests=1, prompt_tokens=len(ids)))
+            self.scheduler.submit(req, len(ids) + params.max_tokens)
+            self._by_handle[handle] = req
+        self._work.set()
+        return handle
+
+    def cancel(self, handle: RequestHandle) -> bool:
+        """Cancel ``handle``'s request: its slot and KV tokens are free when this returns."""
+        with self._lock:
+            req = self._by_handle.get(handle)
+            if req is None or req.done:
+                return False
+            if req.row is None:
+                self.scheduler.remove_waiting(req)
+            self._finish(req, "cancelled")
+            return True
+
+    def generate_batch(self, prompts: list[Prompt], params: SamplingParams | list[SamplingParams] | None = None,
+                       spec: SpecConfig | list[SpecConfig] | None = None,
+                       chat: bool = False) -> list[GenerationResult]:
+        """Submit every prompt, run until all finish and return their results in order.
+
+        ``params`` and ``spec`` are one for all or one per prompt. Every request is checked
+        before any is queued, so one bad prompt costs nothing.
+        """
+        n = len(prompts)
+        params_l = params if isinstance(params, list) else [params or SamplingParams()] * n
+        spec_l = spec if isinstance(spec, list) else [spec or PLAIN] * n
+        if len(params_l) != n or len(spec_l) != n:
+            raise VerispecError("give one params and one spec for all prompts, or one per prompt")
+        for p, sp, s in zip(prompts, params_l, spec_l, strict=True):
+            self.scheduler.check(len(self.engine.encode(p, chat)) + sp.max_tokens)
+            self._check_spec(s)
+        handles = [self.submit(p, sp, s, chat) for p, sp, s in zip(prompts, params_l, spec_l, strict=True)]
+        return [h.result() for h in handles]
+
+    # -- running --------------------------------------------------------------------------
+
+    def step(self) -> bool:
+        """Admit, prefill a chunk, and run one batched step for the ready rows; True while work remains."""
+        with self._lock, torch.inference_mode():
+            if self._failed is not None:
+                raise VerispecError(f"the batch engine stopped after an error: {self._failed!r}")
+            try:
+                for adm in self.scheduler.admit():
+                    self._start(adm.item, adm.slot)
+                self._prefill()
+                ready = [r for r in self._running.values() if r.prefilled]
+                if ready:
+                    self._decode(ready)
+            except BaseException as e:
+                self._fail(e)
+                raise
+            return self.has_work
+
+    def run_until_done(self) -> None:
+        """Step until no request is running or waiting (without a background runner)."""
+        while self.step():
+            pass
+
+    def start(self) -> None:
+        """Run steps on a background thread until :meth:`stop`."""
+        with self._lock:
+            if self.running:
+                return
+            self._stopping = False
+            self._thread = threading.Thread(target=self._loop, name="verispec-batch", daemon=True)
+            self._thread.start()
+
+    def stop(self, cancel: bool = False) -> None:
+        """Stop the background runner (after its current step); ``cancel`` also cancels every request."""
+        self._stopping = True
+        self._work.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if cancel:
+            with self._lock:
+                for req in list(self._by_handle.values()):
+                    self.cancel(req.handle)
+
+    def profile(self, k_max: int = 8, context: int = 64) -> BatchCostModel:
+        """Measure the cost curves the concurrency-aware policy uses (done on first use otherwise)."""
+        with self._lock:
+            self.costs = profile_costs(self.target, self.draft, self.slots, k_max, context)
+            self.policy = BatchPolicy(self.costs)
+            logger.info("batch costs: target %s, draft %s", _fmt(self.costs.target.points),
+                        _fmt(self.costs.draft.points) if self.costs.draft else "-")
+            return self.costs
+
+    def _loop(self) -> None:
+        while not self._stopping:
+            self._work.clear()
+            try:
+                busy = self.step()
+            except BaseException:  # already delivered to every handle by step()
+                return
+            if not busy:
+                self._work.wait(0.5)
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _check_spec(self, spec: SpecConfig) -> None:
+        if not spec.enabled:
+            return
+        if spec.method == "draft":
+            if self.draft is None:
+                raise VerispecError("method 'draft' needs a draft model (--draft)")
+            return
+        if spec.method == "layerskip" or (spec.method == "hybrid" and self.draft is None and spec.layers is not None):
+            # Layer-skip drafts on the target's own one-row cache.
+            raise VerispecError("layer-skip drafting is not available in batched mode; use draft, ngram, "
+                                "retrieval or hybrid")
+        with self._lock:  # builds (and so validates) one drafter for this spec up front
+            self._drafters.release(spec, self._drafters.acquire(spec))
+
+    def _start(self, req: _Request, slot: int) -> None:
+        req.handle.admitted_at = time.perf_counter()
+        self.cache.reset(slot)
+        spec = req.spec
+        row = Row(slot, list(req.prompt), req.params, None if req.params.greedy else req.params.generator(),
+                  req.metrics)
+        if spec.enabled:
+            if spec.method == "draft":
+                row.model_draft = True
+                row.min_confidence = spec.confidence if spec.k_policy == "confidence" else 0.0
+                assert self.draft_model is not None
+                self.draft_model.begin(slot)
+            else:
+                row.drafter = self._drafters.acquire(spec)
+                row.drafter.begin(req.prompt)
+            if spec.k_policy == "cost":
+                req.acceptance = Acceptance()
+            else:
+                req.kpolicy = make_policy(spec, None)
+        req.row = row
+        self._running[slot] = req
+
+    def _prefill(self) -> None:
+        # All but the last prompt token; the first step scores that one with the first drafts.
+        budget = self.prefill_chunk
+        t0 = time.perf_counter()
+        for req in self._running.values():
+            if req.prefilled:
+                continue
+            if budget <= 0:
+                break
+            slot, target_len = req.row.slot, len(req.prompt) - 1
+            done = self.cache.lengths[slot]
+            n = min(target_len - done, budget)
+            if n > 0:
+                t1 = time.perf_counter()
+                pos = torch.arange(done, done + n, device=self.target.device).unsqueeze(0)
+                self.target(torch.tensor([req.prompt[done:done + n]], device=self.target.device), pos, self.cache,
+                            rows=slice(slot, slot + 1), last_only=True)
+                self.cache.lengths[slot] = done + n
+                budget -= n
+                req.metrics.stage_s["prefill"] += time.perf_counter() - t1
+                self.stats.prefill_tokens += n
+            req.prefilled = self.cache.lengths[slot] == target_len
+        self.stats.prefill_s += time.perf_counter() - t0
+
+    def _decode(self, ready: list[_Request]) -> None:
+        rows: list[Row] = []
+        plans: list[RowPlan] = []
+        stepping: list[_Request] = []
+        for req in ready:
+            row = req.row
+            room = self.max_len - len(row.seq)  # positions left; a step uses k + 1 of them
+            if room < 1:
+                self._finish(req, "length")
+                continue
+            cap = k_cap(req.spec.k, req.params, len(req.out), room) if row.speculates else 0
+            if req.acceptance is not None:
+                plans.append(RowPlan(cap, req.acceptance.rate, model_draft=row.model_draft))
+            else:
+                row.k = req.kpolicy.choose(cap) if req.kpolicy is not None and row.speculates else 0
+                plans.append(RowPlan(cap, None, row.k, model_draft=row.model_draft))
+            rows.append(row)
+            stepping.append(req)
+        if not rows:
+            return
+        policy_k = None
+        if any(p.acceptance is not None for p in plans):
+            span = max(r.slot for r in rows) - min(r.slot for r in rows) + 1
+            policy_k = self._policy(stepping).choose(plans, span)
+            for req, plan in zip(stepping, plans, strict=True):
+                if plan.acceptance is not None:
+                    req.row.k = min(policy_k, plan.cap)
+        report = batched_step(self.target, self.cache, rows, self.draft_model)
+        self.stats.record(report, policy_k)
+        if self.costs is not None:
+            self.costs.target.observe(report.scored_tokens, report.score_s)
+        now = time.perf_counter()
+        for i, req in enumerate(stepping):
+            if req.done:  # cancelled by an earlier request's callback during this loop
+                continue
+            row = req.row
+            if req.kpolicy is not None:
+                req.kpolicy.update(row.k, report.drafted[i], report.accepted[i], report.propose_s, report.score_s)
+            if req.acceptance is not None:
+                req.acceptance.update(report.drafted[i], report.accepted[i])
+            if not req.out:
+                req.metrics.ttft_s = now - req.handle.submitted_at
+            n_before = len(req.out)
+            finish = append_tokens(report.new_tokens[i], row.seq, req.out, req.params, self.engine.eos_ids,
+                                   self.engine.decode)
+            chunk = req.out[n_before:]
+            if chunk:
+                req.handle._push(chunk)
+            if req.on_tokens is not None and req.on_tokens(chunk) is False and finish is None:
+                finish = "cancelled"
+            if finish is not None and not req.done:
+                self._finish(req, finish)
+
+    def _policy(self, stepping: list[_Request]) -> BatchPolicy:
+        if self.policy is None:
+            if self.costs is None:
+                self.profile(k_max=max(r.spec.k for r in stepping))
+            else:
+                self.policy = BatchPolicy(self.costs)
+        assert self.policy is not None
+        return self.policy
+
+    def _finish(self, req: _Request, reason: str) -> None:
+        req.done = True
+        self._by_handle.pop(req.handle, None)
+        if req.row is not None:
+            slot = req.row.slot
+            del self._running[slot]
+            self.scheduler.release(slot)
+            self.cache.reset(slot)
+            if self.draft_model is not None:
+                self.draft_model.begin(slot)
+            if req.row.drafter is not None:
+                self._drafters.release(req.spec, req.row.drafter)
+        m = req.metrics
+        m.generated_tokens = len(req.out)
+        m.total_s = time.perf_counter() - req.handle.submitted_at
+        self.stats.requests.merge(m)
+        text = final_text(self.engine.decode(req.out), req.params.stop)
+        req.handle._finish(GenerationResult(req.prompt, req.out, text, reason, m))
+
+    def _fail(self, error: BaseException) -> None:
+        # A failed step leaves the caches in an unknown state: fail every request, refuse new ones.
+        self._failed = error
+        logger.error("batch step failed: %r", error)
+        for req in list(self._by_handle.values()):
+            req.done = True
+            req.handle._finish(None, error)
+        self._by_handle.clear()
+
+
+def _kv_bytes_per_token(model: Any) -> int:
+    a = model.args
+    return 2 * a.n_layers * a.n_kv_heads * a.head_dim * torch.finfo(model.dtype).bits // 8
+
+
+def _fmt(points: dict[int, float]) -> str:
+    return ", ".join(f"{t}:{s * 1e3:.1f}ms" for t, s in sorted(points.items()))

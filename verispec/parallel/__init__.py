@@ -1,0 +1,1 @@
+"""Running across devices and processes: tensor parallelism for the target (:mod:`verispec.parallel.tp`)."""
