@@ -10,6 +10,7 @@ seeded sampling does not depend on batch companions; the policy turns speculatio
 from __future__ import annotations
 
 import asyncio
+import threading
 from dataclasses import replace
 
 import pytest
@@ -34,6 +35,8 @@ SPECS = {
     "draft": SpecConfig(method="draft", k=4),
     "ngram": SpecConfig(method="ngram", k=3),
     "draft-cost": SpecConfig(method="draft", k=6, k_policy="cost"),
+    "draft-confidence": SpecConfig(method="draft", k=6, k_policy="confidence", confidence=0.5),
+    "ngram-heuristic": SpecConfig(method="ngram", k=5, k_policy="heuristic"),
 }
 
 
@@ -72,6 +75,8 @@ def test_greedy_batch_matches_engine(engine, reference, method, batch):
     assert be.free_slots == batch and be.kv_used_tokens == 0 and be.num_running == 0
     if method != "plain":
         assert sum(r.metrics.drafted for r in results) > 0 or method == "draft-cost"
+    if method == "draft" and batch == 8:  # both verification branches ran inside the batch
+        assert 0 < sum(r.metrics.accepted for r in results) < sum(r.metrics.drafted for r in results)
 
 
 def test_queueing_and_mixed_specs_match_engine(engine, reference):
@@ -84,7 +89,7 @@ def test_queueing_and_mixed_specs_match_engine(engine, reference):
     assert be.free_slots == 3 and be.kv_used_tokens == 0
 
 
-def test_plain_batch_matches_plain_engine_for_fixed_k_of_every_size(engine, reference):
+def test_rows_with_different_k_match_plain(engine, reference):
     # Rows with different fixed k pad to the widest one; the padding must not leak into any row.
     be = BatchEngine(engine, max_batch=8)
     specs = [SpecConfig(method="draft", k=k) for k in (1, 2, 3, 5, 8, 0, 4, 7)]
@@ -288,6 +293,31 @@ def test_streaming_sync_async_and_background(engine, reference):
     finally:
         be.stop()
     assert not be.running and be.free_slots == 4
+
+
+def test_background_runner_with_submitters_on_many_threads(engine, reference):
+    be = BatchEngine(engine, max_batch=3)
+    out: dict[int, list[int]] = {}
+
+    def client(indices: list[int]) -> None:
+        handles = {i: be.submit(PROMPTS[i], PARAMS[i], SPECS["draft"]) for i in indices}
+        for i, h in handles.items():
+            out[i] = h.result(timeout=60).token_ids
+
+    be.start()
+    try:
+        threads = [threading.Thread(target=client, args=([i, i + 4],)) for i in range(4)]
+        for t in threads:
+            t.start()
+        victim = be.submit(PROMPTS[7], SamplingParams(max_tokens=50, ignore_eos=True))
+        victim.cancel()  # from this thread, while the runner steps
+        for t in threads:
+            t.join(timeout=60)
+    finally:
+        be.stop()
+    assert victim.finish_reason == "cancelled"
+    assert [out[i] for i in range(len(PROMPTS))] == reference["draft"]
+    assert be.free_slots == 3 and be.kv_used_tokens == 0
 
 
 async def _collect(handle) -> list[list[int]]:

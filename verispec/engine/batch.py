@@ -217,7 +217,8 @@ class _DrafterPool:
 class BatchEngine:
     """Serves many requests at once with continuous batching and batched speculative decoding.
 
-    ``max_batch`` slots share one target forward per step. ``memory_limit`` (bytes of KV cache,
+    ``max_batch`` slots share one target forward per step; each slot holds ``max_len`` tokens
+    (default: the engine's, less a little slack for padding). ``memory_limit`` (bytes of KV cache,
     target and draft together) lowers the slot count so the static caches fit; ``kv_budget_tokens``
     caps the tokens reserved by running requests (default: slots x max_len). ``prefill_chunk``
     bounds the prompt tokens prefilled per step, so a long prompt delays running rows by at most
@@ -258,6 +259,7 @@ class BatchEngine:
         self.policy: BatchPolicy | None = None
         self.stats = BatchStats()
         self._drafters = _DrafterPool(engine)
+        self._seen_acceptance: dict[str, Acceptance] = {}  # per drafter, over all requests: new rows' prior
         self._running: dict[int, _Request] = {}  # slot -> request, in admission order
         self._by_handle: dict[RequestHandle, _Request] = {}  # every request not finished yet
         self._ids = itertools.count()
@@ -271,9 +273,13 @@ class BatchEngine:
                                                                   if self.draft_model else 0)) / 2**20)
 
     @classmethod
-    def from_pretrained(cls, model: str, draft: str | None = None, max_batch: int = 8, **kwargs: Any) -> BatchEngine:
-        """Load an :class:`Engine` (``kwargs``: its config fields) and batch it with ``max_batch`` slots."""
-        return cls(Engine.from_pretrained(model, draft, **kwargs), max_batch=max_batch)
+    def from_pretrained(cls, model: str, draft: str | None = None, max_batch: int = 8,
+                        memory_limit: int | None = None, kv_budget_tokens: int | None = None,
+                        prefill_chunk: int = 512, **engine_kwargs: Any) -> BatchEngine:
+        """Load an :class:`Engine` (``engine_kwargs``: :class:`EngineConfig` fields) and batch it."""
+        engine = Engine.from_pretrained(model, draft, **engine_kwargs)
+        return cls(engine, max_batch=max_batch, memory_limit=memory_limit, kv_budget_tokens=kv_budget_tokens,
+                   prefill_chunk=prefill_chunk)
 
     # -- state ----------------------------------------------------------------------------
 
@@ -363,10 +369,13 @@ class BatchEngine:
         spec_l = spec if isinstance(spec, list) else [spec or PLAIN] * n
         if len(params_l) != n or len(spec_l) != n:
             raise VerispecError("give one params and one spec for all prompts, or one per prompt")
-        for p, sp, s in zip(prompts, params_l, spec_l, strict=True):
-            self.scheduler.check(len(self.engine.encode(p, chat)) + sp.max_tokens)
+        encoded = [self.engine.encode(p, chat) for p in prompts]
+        for ids, sp, s in zip(encoded, params_l, spec_l, strict=True):
+            if sp.stop and self.engine.tokenizer is None:
+                raise VerispecError("stop strings need a tokenizer")
+            self.scheduler.check(len(ids) + sp.max_tokens)
             self._check_spec(s)
-        handles = [self.submit(p, sp, s, chat) for p, sp, s in zip(prompts, params_l, spec_l, strict=True)]
+        handles = [self.submit(ids, sp, s) for ids, sp, s in zip(encoded, params_l, spec_l, strict=True)]
         return [h.result() for h in handles]
 
     # -- running --------------------------------------------------------------------------
@@ -453,8 +462,9 @@ class BatchEngine:
         req.handle.admitted_at = time.perf_counter()
         self.cache.reset(slot)
         spec = req.spec
-        row = Row(slot, list(req.prompt), req.params, None if req.params.greedy else req.params.generator(),
-                  req.metrics)
+        # On the target's device, as in Engine: verification samples there.
+        generator = None if req.params.greedy else req.params.generator(self.target.device)
+        row = Row(slot, list(req.prompt), req.params, generator, req.metrics)
         if spec.enabled:
             if spec.method == "draft":
                 row.model_draft = True
@@ -465,7 +475,9 @@ class BatchEngine:
                 row.drafter = self._drafters.acquire(spec)
                 row.drafter.begin(req.prompt)
             if spec.k_policy == "cost":
-                req.acceptance = Acceptance()
+                # Start from what this drafter achieved on earlier requests, not a blind prior.
+                seen = self._seen_acceptance.setdefault(_DrafterPool.key(spec), Acceptance(decay=0.98))
+                req.acceptance = Acceptance(prior_a=seen.rate)
             else:
                 req.kpolicy = make_policy(spec, None)
         req.row = row
@@ -535,6 +547,7 @@ class BatchEngine:
                 req.kpolicy.update(row.k, report.drafted[i], report.accepted[i], report.propose_s, report.score_s)
             if req.acceptance is not None:
                 req.acceptance.update(report.drafted[i], report.accepted[i])
+                self._seen_acceptance[_DrafterPool.key(req.spec)].update(report.drafted[i], report.accepted[i])
             if not req.out:
                 req.metrics.ttft_s = now - req.handle.submitted_at
             n_before = len(req.out)

@@ -52,10 +52,24 @@ class BatchDraftModel:
         # Draft and target embeddings may differ in padding rows; q must live on the target's vocabulary.
         self.vocab_size = vocab_size or model.args.vocab_size
         self.forwards = 0  # lockstep forwards run (the policy's draft cost is per forward)
+        # Per slot: (the request's generator, a generator of our own on the draft's device).
+        self._local_gens: dict[int, tuple[torch.Generator, torch.Generator]] = {}
 
     def begin(self, slot: int) -> None:
         """A new sequence takes ``slot``."""
         self.cache.reset(slot)
+        self._local_gens.pop(slot, None)
+
+    def _generator(self, slot: int, generator: torch.Generator | None) -> torch.Generator | None:
+        # As ModelDrafter: a request generator on another device seeds, once per request, one on ours.
+        device = self.model.device
+        if generator is None or generator.device == device:
+            return generator
+        own = self._local_gens.get(slot)
+        if own is None or own[0] is not generator:
+            seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device))
+            own = self._local_gens[slot] = (generator, torch.Generator(device=device).manual_seed(seed))
+        return own[1]
 
     def commit(self, slot: int, n_valid: int) -> None:
         """The first ``n_valid`` tokens of ``slot``'s sequence are final."""
@@ -69,6 +83,8 @@ class BatchDraftModel:
         for r in rows:
             if r.k <= 0:
                 continue
+            if not r.params.greedy:
+                r.generator = self._generator(r.slot, r.generator)
             start = min(lengths[r.slot], len(r.seq) - 1)
             lengths[r.slot] = start
             if len(r.seq) - start > MAX_LOCKSTEP_FEED:
@@ -93,36 +109,50 @@ class BatchDraftModel:
             logits = self.model(tokens.to(device), pos.to(device), self.cache, kv_len=int(pos.max()) + 1,
                                 rows=slice(lo, hi), last_only=width == 1)
             self.forwards += 1
+            # Each row's logits at its own last real position: [len(active), V].
+            at = torch.tensor([len(feeds[r.slot]) - 1 if width > 1 else 0 for r in active], device=logits.device)
+            picked = logits[torch.tensor([r.slot - lo for r in active], device=logits.device), at]
+            if picked.shape[-1] != self.vocab_size:
+                picked = _fit_vocab(picked, self.vocab_size)
             for r in active:
-                n = len(feeds[r.slot])
-                lengths[r.slot] += n
-                self._pick(r, logits[r.slot - lo, (n - 1) if width > 1 else -1])
+                lengths[r.slot] += len(feeds[r.slot])
+            self._pick(active, picked)
+            for r in active:
                 feeds[r.slot] = r.tokens[-1:]
             active = [r for r in active if not r.done]
         return [Proposal(r.tokens, torch.stack(r.probs) if r.probs else None) for r in rows]
 
-    def _pick(self, r: DraftRow, logits: torch.Tensor) -> None:
-        # Exactly ModelDrafter's choice, so a row drafts the same tokens alone or in a batch.
-        if logits.shape[-1] != self.vocab_size:
-            logits = _fit_vocab(logits, self.vocab_size)
-        if r.params.greedy:
-            tok = int(logits.argmax())
-            if r.min_confidence and r.tokens and torch.softmax(logits, -1)[tok] < r.min_confidence:
-                r.done = True
-                return
-        else:
-            q = probs_from_logits(logits, r.params)
+    @staticmethod
+    def _pick(rows: list[DraftRow], logits: torch.Tensor) -> None:
+        # Exactly ModelDrafter's choice per row, so a row drafts the same tokens alone or in a batch;
+        # greedy rows share one argmax (one device sync for the whole batch).
+        greedy = [i for i, r in enumerate(rows) if r.params.greedy]
+        if greedy:
+            g = logits[greedy]
+            toks = g.argmax(-1)
+            conf = torch.softmax(g, -1).gather(-1, toks[:, None])[:, 0].tolist() \
+                if any(rows[i].min_confidence for i in greedy) else [1.0] * len(greedy)
+            for i, tok, c in zip(greedy, toks.tolist(), conf, strict=True):
+                r = rows[i]
+                if r.min_confidence and r.tokens and c < r.min_confidence:
+                    r.done = True
+                    continue
+                r.tokens.append(tok)
+                r.done = len(r.tokens) >= r.k
+        for i, r in enumerate(rows):
+            if r.params.greedy:
+                continue
+            q = probs_from_logits(logits[i], r.params)
             if r.min_confidence and r.tokens and float(q.max()) < r.min_confidence:
                 r.done = True
-                return
-            tok = sample(q, r.generator)
+                continue
+            r.tokens.append(sample(q, r.generator))
             r.probs.append(q)
-        r.tokens.append(tok)
-        r.done = len(r.tokens) >= r.k
+            r.done = len(r.tokens) >= r.k
 
 
 def _fit_vocab(logits: torch.Tensor, size: int) -> torch.Tensor:
     # As ModelDrafter's: drop padding rows of a larger table, or pad a smaller one with -inf.
     if logits.shape[-1] > size:
-        return logits[:size]
+        return logits[..., :size]
     return torch.nn.functional.pad(logits, (0, size - logits.shape[-1]), value=float("-inf"))

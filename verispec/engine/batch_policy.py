@@ -56,11 +56,14 @@ class CostCurve:
         return ys[i - 1] + w * (ys[i] - ys[i - 1])
 
     def observe(self, tokens: int, seconds: float) -> None:
-        """Fold in one measured forward (a new point if ``tokens`` was never measured)."""
-        if self.smoothing <= 0:
-            return
+        """Fold one measured forward into the point at ``tokens``, if that point was profiled.
+
+        Only profiled points learn: a lone observation at a new point would enter at full weight,
+        and one slow outlier there would lift the (monotone) curve for every larger size.
+        """
         old = self.points.get(tokens)
-        self.points[tokens] = seconds if old is None else old + self.smoothing * (seconds - old)
+        if old is not None and self.smoothing > 0:
+            self.points[tokens] = old + self.smoothing * (seconds - old)
 
 
 @dataclass

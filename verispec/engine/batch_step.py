@@ -74,7 +74,8 @@ class StepReport:
 
 
 @torch.inference_mode()
-def batched_step(target: Transformer, cache: KVCache, rows: list[Row], draft_model: BatchDraftModel | None) -> StepReport:
+def batched_step(target: Transformer, cache: KVCache, rows: list[Row],
+                 draft_model: BatchDraftModel | None) -> StepReport:
     """Extend every row by one speculative step; ``report.new_tokens[i]`` are row i's 1..k+1 new tokens."""
     # 1. Propose: model rows draft together in lockstep, per-row drafters one by one.
     t0 = time.perf_counter()
@@ -116,7 +117,7 @@ def batched_step(target: Transformer, cache: KVCache, rows: list[Row], draft_mod
         if r.params.greedy:
             n, extra = verify_greedy(d, row_logits)
         else:
-            q = None if p.probs is None else p.probs[: len(d)]
+            q = None if p.probs is None else p.probs[: len(d)].to(row_logits.device)
             n, extra = verify_sampling(d, q, probs_from_logits(row_logits, r.params), r.generator)
         # 4. Roll back to what was accepted: the row keeps K/V for seq[-1] and d1..dn.
         cache.lengths[r.slot] = len(r.seq) + n

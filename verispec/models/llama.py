@@ -20,7 +20,7 @@ from torch import nn
 
 from verispec.models.args import ModelArgs
 from verispec.models.kv_cache import KVCache
-from verispec.models.linear import make_linear
+from verispec.models.linear import Int4Weight, Int8Weight, QuantizedTensor, make_linear
 
 
 class RMSNorm(nn.Module):
@@ -146,6 +146,8 @@ class Transformer(nn.Module):
 
         ``get(name)`` returns a float tensor or None when absent; taking a getter rather
         than a dict lets loaders materialise one tensor at a time and keep peak memory low.
+        For projection weights it may also return an already quantized weight
+        (:class:`QuantizedTensor`, :class:`Int4Weight`, :class:`Int8Weight`, see linear.py).
         """
 
         def req(name: str) -> torch.Tensor:
@@ -155,9 +157,20 @@ class Transformer(nn.Module):
             return t
 
         def linear(names: list[str], with_bias: bool) -> nn.Module:
-            w = torch.cat([req(n + ".weight") for n in names]) if len(names) > 1 else req(names[0] + ".weight")
+            w = fuse([req(n + ".weight") for n in names])
             b = torch.cat([req(n + ".bias") for n in names]) if with_bias else None
             return make_linear(w, b, weight_format, dtype)
+
+        def fuse(parts: list) -> torch.Tensor | QuantizedTensor | Int4Weight | Int8Weight:
+            # Rows are output channels, so every format concatenates along them; mixed parts
+            # (e.g. a Q6_K v_proj next to Q4_K q/k) meet in float, in the more precise format.
+            kinds = {torch.Tensor if isinstance(p, torch.Tensor) else type(p) for p in parts}
+            if len(parts) == 1 or kinds == {torch.Tensor}:
+                return parts[0] if len(parts) == 1 else torch.cat(parts)
+            if len(kinds) == 1 and kinds <= {QuantizedTensor, Int4Weight, Int8Weight}:
+                return parts[0].cat(parts)
+            w = torch.cat([p if isinstance(p, torch.Tensor) else p.dequantize() for p in parts])
+            return Int8Weight.quantize(w, dtype) if Int8Weight in kinds else w
 
         def norm(name: str) -> RMSNorm:
             return RMSNorm(req(name).to(dtype), args.norm_eps)

@@ -1,0 +1,191 @@
+"""Throughput and latency under concurrency: plain vs speculative (fixed k) vs the concurrency-aware policy.
+
+A closed loop of C clients (C in --concurrency) each keeps one request in flight on one
+BatchEngine: when a request finishes, the next Spec-Bench prompt takes its place. For every C and
+mode it reports total throughput (generated tokens / wall time) and per-request latency (submit to
+last token, p50/p95) and time to first token; the concurrency-aware mode also records the k it
+chose. Writes concurrency.md, concurrency.json and concurrency.png into --out.
+
+    python bench/concurrency.py --model qwen2.5-coder-1.5b-instruct --draft qwen2.5-coder-0.5b-instruct \\
+        --dtype bfloat16 --max-tokens 128 --out bench_out/concurrency
+
+Any model the loader opens works (registry names, GGUF files, Hugging Face folders); --method ngram
+benchmarks prompt lookup instead of the draft model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from verispec import Engine, SamplingParams, SpecConfig, VerispecError
+from verispec.bench.datasets import default_spec_bench, spec_bench
+from verispec.bench.runner import machine
+from verispec.config import PLAIN
+from verispec.engine.batch import BatchEngine
+from verispec.engine.batch_step import BatchStats
+from verispec.engine.engine import GenerationResult
+
+MODES = ("plain", "fixed", "policy")
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-quantile (0..1) by linear interpolation; 0 for no values."""
+    if not values:
+        return 0.0
+    s = sorted(values)
+    x = q * (len(s) - 1)
+    lo = int(x)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (x - lo)
+
+
+def closed_loop(be: BatchEngine, prompts: list[list[int]], clients: int, params: SamplingParams,
+                spec: SpecConfig) -> dict[str, Any]:
+    """Serve ``prompts`` keeping ``clients`` requests in flight; return throughput and latency figures."""
+    be.stats = BatchStats()
+    queue = list(prompts)
+    inflight = []
+    done: list[tuple[Any, GenerationResult]] = []
+    t0 = time.perf_counter()
+    while queue or inflight:
+        while queue and len(inflight) < clients:
+            inflight.append(be.submit(queue.pop(0), params, spec))
+        be.step()
+        for h in [h for h in inflight if h.done]:
+            inflight.remove(h)
+            done.append((h, h.result()))
+    wall = time.perf_counter() - t0
+    tokens = sum(len(r.token_ids) for _, r in done)
+    latency = [h.finished_at - h.submitted_at for h, _ in done]
+    ttft = [h.first_token_at - h.submitted_at for h, _ in done if h.first_token_at is not None]
+    steps = sum(r.metrics.steps for _, r in done)
+    return {"requests": len(done), "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
+            "latency_p50_s": percentile(latency, 0.5), "latency_p95_s": percentile(latency, 0.95),
+            "ttft_p50_s": percentile(ttft, 0.5), "accepted_per_step": tokens / steps if steps else 0.0,
+            "batch_steps": be.stats.steps, "mean_rows": be.stats.summary()["mean_rows"],
+            "policy_k": dict(sorted(be.stats.policy_k.items())),
+            "width": dict(sorted(be.stats.width_steps.items()))}
+
+
+def markdown(rows: list[dict[str, Any]], header: str) -> str:
+    head = (f"{header}\n\n| concurrency | mode | requests | tokens/s | vs plain | p50 latency s | p95 latency s | "
+            "p50 TTFT s | tokens/step | k chosen (k: steps) |\n|---:|---|---:|---:|---:|---:|---:|---:|---:|---|\n")
+    lines = []
+    for r in rows:
+        ks = ", ".join(f"{k}: {n}" for k, n in r["policy_k"].items()) if r["mode"] == "policy" else \
+            ", ".join(f"{w - 1}: {n}" for w, n in r["width"].items())
+        lines.append(f"| {r['concurrency']} | {r['mode']} | {r['requests']} | {r['tokens_per_s']:.1f} | "
+                     f"{r['vs_plain']:.2f}x | {r['latency_p50_s']:.2f} | {r['latency_p95_s']:.2f} | "
+                     f"{r['ttft_p50_s']:.3f} | {r['accepted_per_step']:.2f} | {ks} |")
+    return head + "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for mode in dict.fromkeys(r["mode"] for r in rows):
+        rs = [r for r in rows if r["mode"] == mode]
+        xs = [r["concurrency"] for r in rs]
+        ax1.plot(xs, [r["tokens_per_s"] for r in rs], marker="o", label=mode)
+        line = ax2.plot(xs, [r["latency_p50_s"] for r in rs], marker="o", label=f"{mode} p50")[0]
+        ax2.plot(xs, [r["latency_p95_s"] for r in rs], marker="x", linestyle="--", color=line.get_color(),
+                 label=f"{mode} p95")
+    levels = sorted({r["concurrency"] for r in rows})
+    for ax, ylabel in ((ax1, "total throughput (tokens/s)"), (ax2, "request latency (s)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(levels, [str(c) for c in levels])
+        ax.set_xlabel("concurrent requests")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
+    ap.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct")
+    ap.add_argument("--method", default="draft", choices=("draft", "ngram"))
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--max-len", type=int, default=2048, help="context per request slot")
+    ap.add_argument("--concurrency", default="1,2,4,8,16")
+    ap.add_argument("-k", type=int, default=5, help="fixed k, and the policy's largest k")
+    ap.add_argument("--requests", type=int, default=32, help="requests per run (at least 2x the concurrency)")
+    ap.add_argument("--spec-bench", type=Path, default=None, help=f"question.jsonl (default {default_spec_bench()})")
+    ap.add_argument("--seed", type=int, default=0, help="which Spec-Bench prompts (shuffled with this seed)")
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--out", type=Path, default=Path("bench_out/concurrency"))
+    args = ap.parse_args()
+
+    levels = [int(c) for c in args.concurrency.split(",")]
+    modes = [m for m in args.modes.split(",") if m]
+    engine = Engine.from_pretrained(args.model, draft=args.draft if args.method == "draft" else None,
+                                    dtype=args.dtype, device=args.device, max_len=args.max_len, progress=True)
+    be = BatchEngine(engine, max_batch=max(levels), max_len=args.max_len)
+    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=False)
+    n = max(args.requests, 2 * max(levels))
+    prompts = []
+    for p in spec_bench(args.spec_bench, seed=args.seed):
+        try:
+            ids = engine.encode(p.text, chat=p.chat)
+        except VerispecError:  # longer than the context
+            continue
+        if len(ids) + args.max_tokens <= be.max_len:  # a longer one could never be admitted
+            prompts.append(ids)
+    random.Random(args.seed).shuffle(prompts)
+    prompts = prompts[:n]
+    specs = {"plain": PLAIN, "fixed": SpecConfig(method=args.method, k=args.k),
+             "policy": SpecConfig(method=args.method, k=args.k, k_policy="cost")}
+    costs = be.profile(k_max=args.k)
+    for mode in modes:  # warm-up: kernels, allocator, drafters
+        closed_loop(be, prompts[: max(levels)], max(levels), SamplingParams(max_tokens=8), specs[mode])
+
+    rows = []
+    for c in levels:
+        plain_tps = None
+        for mode in modes:
+            r = closed_loop(be, prompts, c, params, specs[mode]) | {"concurrency": c, "mode": mode}
+            plain_tps = r["tokens_per_s"] if mode == "plain" else plain_tps
+            r["vs_plain"] = r["tokens_per_s"] / plain_tps if plain_tps else float("nan")
+            print(f"C={c:3d} {mode:7s} {r['tokens_per_s']:8.1f} tok/s  p50 {r['latency_p50_s']:.2f}s  "
+                  f"p95 {r['latency_p95_s']:.2f}s  k {r['policy_k'] or r['width']}", flush=True)
+            rows.append(r)
+
+    info = machine()
+    if args.device.startswith("cuda"):
+        info["gpu"] = torch.cuda.get_device_name(args.device)
+    where = info.get("gpu") or f"{info['cpu']}, {info['threads']} threads"
+    title = f"{Path(args.model).name} + {args.method} ({args.dtype}), {args.max_tokens} tokens, {where}"
+    header = (f"# Concurrency sweep\n\n{title}, {info['date']}. {len(prompts)} Spec-Bench prompts per run, "
+              f"closed loop, greedy; fixed k = {args.k}; policy = concurrency-aware cost policy (k <= {args.k}).")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "concurrency.md").write_text(markdown(rows, header))
+    (args.out / "concurrency.json").write_text(json.dumps(
+        {"machine": info, "args": {k: str(v) for k, v in vars(args).items()}, "rows": rows,
+         "profiled_target_s": costs.target.points, "profiled_draft_s": costs.draft.points if costs.draft else None,
+         "mean_tokens_per_s": {m: statistics.mean(r["tokens_per_s"] for r in rows if r["mode"] == m)
+                               for m in modes}}, indent=2))
+    plot(rows, args.out / "concurrency.png", title)
+    print(markdown(rows, header))
+    print(f"wrote {args.out}/concurrency.md, concurrency.json and concurrency.png")
+
+
+if __name__ == "__main__":
+    main()
