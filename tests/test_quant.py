@@ -87,6 +87,7 @@ def test_int4_linear_matches_dequantized_matmul(m, dtype):
     assert y.dtype == dtype and y.shape == (2, m, 96)
     ref = x.float() @ wd.t() + bias.to(dtype).float()
     assert ((y.float() - ref).abs() <= bf16_bound(x.float(), wd) + 2.0 ** -7 * bias.abs()).all()
+    assert torch.equal(lin.to("cpu")(x), y)  # Engine moves models to their device; on the CPU a no-op
 
 
 @pytest.mark.parametrize("m", range(1, 9))

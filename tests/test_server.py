@@ -14,6 +14,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -381,8 +382,20 @@ def test_canary_routing_and_admin(http: httpx.Client, oai: OpenAI) -> None:
 
 
 def _slow_generate(monkeypatch: pytest.MonkeyPatch, engine: Engine, delay_s: float) -> None:
-    """Make every engine step take at least ``delay_s`` (so a test can act mid-generation)."""
+    """Make every engine step take at least ``delay_s`` (so a test can act mid-generation).
+
+    Both workers: the one-request engine's steps and the batch engine's batched steps.
+    """
+    import verispec.engine.batch as batch_module
+
     original = engine.generate
+    original_step = batch_module.batched_step
+
+    def slow_step(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(delay_s)
+        return original_step(*args, **kwargs)
+
+    monkeypatch.setattr(batch_module, "batched_step", slow_step)
 
     def slow(*args: Any, on_tokens: Any = None, **kwargs: Any) -> Any:
         def wrapped(i: int, tokens: list[int]) -> Any:
@@ -420,6 +433,36 @@ def test_client_disconnect_cancels_the_request(http: httpx.Client, engine: Engin
     assert wait_until(lambda: metric_value(http, "verispec:request_success_total", **cancelled) == before + 2,
                       timeout=1.5)
     assert metric_value(http, "verispec:num_requests_running") == 0
+
+
+def test_concurrent_requests_are_batched_and_match_alone(server: Any, http: httpx.Client, engine: Engine,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    specs = [{"enabled": False}, {"enabled": True, "method": "draft"}, {"enabled": True, "method": "ngram", "k": 3}]
+    bodies = [{"model": MODEL, "prompt": f"batch {i} " * (1 + i % 4), "max_tokens": 32, "ignore_eos": i % 2 == 0,
+               "speculative": specs[i % 3], **GREEDY} for i in range(6)]
+
+    def send(body: dict[str, Any]) -> tuple[str, int]:
+        r = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"], r.json()["usage"]["completion_tokens"]
+
+    alone = [send(body) for body in bodies]
+    before = http.get("/stats").json()["batch"]
+    _slow_generate(monkeypatch, engine, 0.01)  # every step lasts long enough for all requests to overlap
+    running_seen = []
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        futures = [pool.submit(send, body) for body in bodies]
+        while not all(f.done() for f in futures):
+            running_seen.append(metric_value(http, "verispec:num_requests_running"))
+            time.sleep(0.02)
+        together = [f.result() for f in futures]
+    assert together == alone  # greedy outputs do not depend on batch companions
+    after = http.get("/stats").json()["batch"]
+    multi = {n: c - before["rows_steps"].get(n, 0) for n, c in after["rows_steps"].items() if int(n) > 1}
+    assert sum(multi.values()) > 0, (before, after)  # some steps ran several rows at once
+    assert max(running_seen) > 1
+    assert after["max_batch"] == ServerConfig(model_name=MODEL).max_batch and after["running"] == 0
+    assert after["kv_used_tokens"] == 0 and metric_value(http, "verispec:kv_cache_usage_perc") == 0
 
 
 def test_load_many_concurrent_clients(server: Any, http: httpx.Client) -> None:
@@ -498,37 +541,65 @@ def test_fuzz_openapi_schema_finds_no_server_errors(server: Any, http: httpx.Cli
 # -- overload and shutdown (a second server with a one-slot queue) -------------------------------
 
 
-def test_overload_then_graceful_shutdown(pair: tuple[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("max_batch", [1, 2])
+def test_overload_then_graceful_shutdown(pair: tuple[str, str], monkeypatch: pytest.MonkeyPatch,
+                                         max_batch: int) -> None:
     engine = Engine.from_pretrained(pair[0], draft=pair[1], dtype="float32", max_len=MAX_LEN, progress=False)
     _slow_generate(monkeypatch, engine, 0.01)
-    config = ServerConfig(model_name=MODEL, spec=SpecConfig(method="draft", k=4), max_queue=1, retry_after_s=2)
+    config = ServerConfig(model_name=MODEL, spec=SpecConfig(method="draft", k=4), max_batch=max_batch, max_queue=1,
+                          retry_after_s=2)
     app = create_app(engine, config)
     long = {"model": MODEL, "prompt": "busy", "max_tokens": 200, "ignore_eos": True, **GREEDY}
     with running_server(app, config) as srv, httpx.Client(base_url=srv.base_url, timeout=30) as client:
         # No admin token configured: the admin endpoint is disabled.
         _assert_error(client.post("/admin/spec-fraction", json={"fraction": 0.1}), 403)
-        with httpx.Client(base_url=srv.base_url, timeout=30) as streaming:
-            with streaming.stream("POST", "/v1/completions", json={**long, "stream": True}) as running:
+        with ExitStack() as stack:
+            streams = []
+            for _ in range(max_batch):  # fill every slot
+                streaming = stack.enter_context(httpx.Client(base_url=srv.base_url, timeout=30))
+                running = stack.enter_context(streaming.stream("POST", "/v1/completions",
+                                                               json={**long, "stream": True}))
                 lines = running.iter_lines()
                 assert next(line for line in lines if line.startswith("data: "))  # it runs
-                queued: dict[str, Any] = {}
-                waiter = threading.Thread(target=lambda: queued.update(
-                    r=httpx.post(f"{srv.base_url}/v1/completions", json=long, timeout=30)))
-                waiter.start()
-                assert wait_until(lambda: metric_value(client, "verispec:num_requests_waiting") == 1)
-                refused = client.post("/v1/completions", json=long)
-                _assert_error(refused, 429)
-                assert refused.headers["retry-after"] == "2"
-                # Shut down while one request runs and one waits: both end promptly and cleanly.
-                t0 = time.monotonic()
-                srv.should_exit = True
-                rest = list(sse_events(lines))
-                waiter.join(10)
+                streams.append(lines)
+            assert metric_value(client, "verispec:num_requests_running") == max_batch
+            queued: dict[str, Any] = {}
+            waiter = threading.Thread(target=lambda: queued.update(
+                r=httpx.post(f"{srv.base_url}/v1/completions", json=long, timeout=30)))
+            waiter.start()
+            assert wait_until(lambda: metric_value(client, "verispec:num_requests_waiting") == 1)
+            refused = client.post("/v1/completions", json=long)
+            _assert_error(refused, 429)
+            assert refused.headers["retry-after"] == "2"
+            # Shut down while requests run and one waits: all end promptly and cleanly.
+            t0 = time.monotonic()
+            srv.should_exit = True
+            rests = [list(sse_events(lines)) for lines in streams]
+            waiter.join(10)
         assert time.monotonic() - t0 < 5
-        assert "error" in rest[-2] and rest[-1] == "[DONE]"
-        assert rest[-2]["error"]["code"] == "shutting_down"
+        for rest in rests:
+            assert "error" in rest[-2] and rest[-1] == "[DONE]"
+            assert rest[-2]["error"]["code"] == "shutting_down"
         _assert_error(queued["r"], 503)
         assert wait_until(lambda: app.state.verispec.worker.join(0), timeout=5)
+
+
+def test_batching_unavailable_method_is_a_clean_400(pair: tuple[str, str]) -> None:
+    # Layer-skip drafts on the target's one-row cache: the batch worker refuses it up front.
+    engine = Engine.from_pretrained(pair[0], dtype="float32", max_len=MAX_LEN, progress=False)
+    with pytest.raises(VerispecError, match="max-batch 1"):
+        create_app(engine, ServerConfig(model_name=MODEL, spec=SpecConfig(method="layerskip", k=3)))
+    app = create_app(engine, ServerConfig(model_name=MODEL, spec=SpecConfig(method="ngram", k=3), max_batch=1))
+    assert "layerskip" in app.state.verispec.worker.available_methods  # the one-request worker serves it
+    config = ServerConfig(model_name=MODEL, spec=SpecConfig(method="ngram", k=3), max_batch=3)
+    app = create_app(engine, config)
+    assert "layerskip" not in app.state.verispec.worker.available_methods
+    with running_server(app, config) as srv, httpx.Client(base_url=srv.base_url, timeout=30) as client:
+        body = {"model": MODEL, "prompt": "a", "max_tokens": 4, "speculative": {"enabled": True, "method": "layerskip"}}
+        err = _assert_error(client.post("/v1/completions", json=body), 400, "speculative.method")
+        assert "layerskip" in err["message"]
+        assert client.post("/v1/completions", json={**body, "speculative": {"method": "ngram"}}).status_code == 200
+        assert client.get("/stats").json()["batch"]["max_batch"] == 3
 
 
 # -- the command line ----------------------------------------------------------------------------

@@ -154,7 +154,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     token = args.admin_token or os.environ.get("VERISPEC_ADMIN_TOKEN") or None
     config = ServerConfig(model_name=args.served_model_name or args.model, spec=_spec_from(args),
                           spec_fraction=args.spec_fraction, host=args.host, port=args.port, admin_token=token,
-                          max_queue=args.max_queue)
+                          max_batch=args.max_batch, max_queue=args.max_queue)
     _no_tp(args)
     engine = Engine.from_pretrained(args.model, draft=args.draft, **_engine_kwargs(args))
     serve(engine, config, log_level="info" if args.verbose else "warning")
@@ -214,7 +214,10 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--admin-token", help="enables POST /admin/spec-fraction (or set VERISPEC_ADMIN_TOKEN)")
     sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
     sv.add_argument("--port", type=int, default=8000)
-    sv.add_argument("--max-queue", type=int, default=64, help="requests allowed to wait; more get 429")
+    sv.add_argument("--max-batch", type=int, default=4,
+                    help="requests generated together by continuous batching (default 4; 1 = one at a time, "
+                    "which also serves --method layerskip)")
+    sv.add_argument("--max-queue", type=int, default=64, help="requests allowed to wait for a slot; more get 429")
     sv.set_defaults(func=cmd_serve)
 
     d = sub.add_parser("demo", help="speculative vs plain decoding on the real pair: a table and a plot")

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from verispec.sampling import SamplingParams
+from verispec.sampling import SamplingParams, probs_from_logits, sample
 
 
 @dataclass
@@ -41,3 +41,22 @@ class Drafter(ABC):
 
     def commit(self, n_valid: int) -> None:  # noqa: B027 (optional hook)
         """The first ``n_valid`` tokens of the sequence are final; anything past them is not."""
+
+
+def draft_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
+                min_confidence: float = 0.0) -> tuple[int | None, torch.Tensor | None]:
+    """The next draft token from a drafter's ``logits``, picked as the request samples.
+
+    Returns (token, q): q is the distribution it was drawn from (None for greedy). Returns
+    (None, None) when the top probability is below ``min_confidence``: such a draft would
+    likely be rejected, so the drafter should stop here.
+    """
+    if params.greedy:
+        tok = int(logits.argmax())
+        if min_confidence and float(torch.softmax(logits.float(), -1)[tok]) < min_confidence:
+            return None, None
+        return tok, None
+    q = probs_from_logits(logits, params)
+    if min_confidence and float(q.max()) < min_confidence:
+        return None, None
+    return sample(q, generator), q

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import torch
 
-from verispec.drafters.base import Drafter, Proposal
+from verispec.drafters.base import Drafter, Proposal, draft_token
 from verispec.errors import VerispecError
 from verispec.models.kv_cache import KVCache
 from verispec.models.llama import Transformer
-from verispec.sampling import SamplingParams, probs_from_logits, sample
+from verispec.sampling import SamplingParams
 
 
 def default_layers(n_layers: int) -> int:
@@ -74,15 +74,10 @@ class LayerSkipDrafter(Drafter):
             pos = start + i
             logits = self.model(torch.tensor([[tok]], device=device), torch.tensor([[pos]], device=device),
                                 self.cache, kv_len=pos + 1, n_layers=self.layers)[0, -1]
-            if params.greedy:
-                tok = int(logits.argmax())
-                if self.min_confidence and tokens and torch.softmax(logits, -1)[tok] < self.min_confidence:
-                    break
-            else:
-                q = probs_from_logits(logits, params)
-                if self.min_confidence and tokens and float(q.max()) < self.min_confidence:
-                    break
-                tok = sample(q, generator)
+            tok, q = draft_token(logits, params, generator, self.min_confidence if tokens else 0.0)
+            if tok is None:
+                break
+            if q is not None:
                 probs.append(q)
             tokens.append(tok)
         return Proposal(tokens, torch.stack(probs) if probs else None)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from verispec.drafters.base import Drafter, Proposal
+from verispec.drafters.base import Drafter, Proposal, draft_token
 from verispec.models.llama import Transformer
-from verispec.sampling import SamplingParams, probs_from_logits, sample
+from verispec.sampling import SamplingParams
 
 
 class ModelDrafter(Drafter):
@@ -49,15 +49,10 @@ class ModelDrafter(Drafter):
             self.cache.lengths[0] = start
             if logits.shape[-1] != self.vocab_size:
                 logits = _fit_vocab(logits, self.vocab_size)
-            if params.greedy:
-                tok = int(logits.argmax())
-                if self.min_confidence and tokens and torch.softmax(logits, -1)[tok] < self.min_confidence:
-                    break
-            else:
-                q = probs_from_logits(logits, params)
-                if self.min_confidence and tokens and float(q.max()) < self.min_confidence:
-                    break
-                tok = sample(q, generator)
+            tok, q = draft_token(logits, params, generator, self.min_confidence if tokens else 0.0)
+            if tok is None:
+                break
+            if q is not None:
                 probs.append(q)
             tokens.append(tok)
             feed = [tok]

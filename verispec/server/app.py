@@ -21,6 +21,7 @@ from verispec.engine.engine import Engine
 from verispec.errors import VerispecError
 from verispec.log import logger
 from verispec.server import completions
+from verispec.server.batch_worker import BatchWorker
 from verispec.server.canary import CanaryRouter
 from verispec.server.config import ServerConfig
 from verispec.server.errors import APIError, install_error_handlers
@@ -88,8 +89,9 @@ def _strip_422(app: FastAPI) -> None:
 def create_app(engine: Engine, config: ServerConfig, worker: Worker | None = None) -> FastAPI:
     """Build the app serving ``engine``; the worker thread starts and stops with the app's lifespan.
 
-    ``worker`` replaces the default one-at-a-time :class:`EngineWorker` (it must report to
-    the app's metrics itself).
+    The default worker is a :class:`BatchWorker` (continuous batching) with ``config.max_batch``
+    slots, or the one-at-a-time :class:`EngineWorker` when ``max_batch`` is 1. ``worker``
+    replaces it (it must report to the app's metrics itself).
     """
     if engine.tokenizer is None:
         raise VerispecError("the server needs a model with a tokenizer")
@@ -97,15 +99,18 @@ def create_app(engine: Engine, config: ServerConfig, worker: Worker | None = Non
     if config.spec.enabled:
         label_sets.append((SPECULATIVE, config.spec.method))
     metrics = ServerMetrics(engine.config.max_len, config.stats_window_s, tuple(label_sets))
-    worker = worker or EngineWorker(engine, metrics, config.max_queue, config.spec)
+    if worker is None:
+        worker = (EngineWorker(engine, metrics, config.max_queue, config.spec) if config.max_batch == 1
+                  else BatchWorker(engine, metrics, config.max_queue, config.spec, config.max_batch))
     state = ServerState(engine, config, worker, metrics, CanaryRouter(config.spec_fraction), int(time.time()))
     dashboard = (files("verispec.server") / "dashboard.html").read_text(encoding="utf-8")
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         state.worker.start()
-        logger.info("serving %s (speculation: %s, fraction %.2f)", config.model_name,
-                    ", ".join(sorted(state.worker.available_methods)) or "none", state.router.fraction)
+        logger.info("serving %s (speculation: %s, fraction %.2f, batch %d)", config.model_name,
+                    ", ".join(sorted(state.worker.available_methods)) or "none", state.router.fraction,
+                    config.max_batch)
         try:
             yield
         finally:
@@ -133,7 +138,7 @@ def create_app(engine: Engine, config: ServerConfig, worker: Worker | None = Non
 
     @app.get("/v1/models", response_model=ModelList, summary="The served model")
     async def list_models() -> ModelList:
-        card = ModelCard(id=config.model_name, created=state.started, max_model_len=engine.config.max_len,
+        card = ModelCard(id=config.model_name, created=state.started, max_model_len=state.worker.context_len,
                          speculative_methods=sorted(state.worker.available_methods))
         return ModelList(data=[card])
 
@@ -152,7 +157,7 @@ def create_app(engine: Engine, config: ServerConfig, worker: Worker | None = Non
     async def stats() -> JSONResponse:
         snap = metrics.snapshot()
         snap.update(time=time.time(), model=config.model_name, spec_fraction=state.router.fraction,
-                    default_method=config.spec.method if config.spec.enabled else None)
+                    default_method=config.spec.method if config.spec.enabled else None, batch=state.worker.stats())
         return JSONResponse(snap)
 
     @app.get("/dashboard", response_class=HTMLResponse, summary="Live charts of both paths")

@@ -110,7 +110,7 @@ def _prepare(state: ServerState, request: Request, body: CompletionRequest | Cha
     except Exception as e:  # noqa: BLE001 (the tokenizer rejects some input, e.g. lone surrogates)
         raise APIError(400, f"the prompt could not be tokenized: {e}",
                        param="messages" if kind == "chat" else "prompt") from None
-    max_len = engine.config.max_len
+    max_len = state.worker.context_len
     room = max_len - len(prompt_ids)
     max_tokens = requested if requested is not None else room  # chat: the rest of the context by default
     if max_tokens > room:
@@ -137,6 +137,8 @@ def _submit(state: ServerState, call: _Call) -> TokenStream:
                        headers={"Retry-After": str(state.config.retry_after_s)}) from None
     except ShuttingDownError:
         raise APIError(503, "the server is shutting down", code="shutting_down") from None
+    except VerispecError as e:  # the worker refuses a request that could never run (e.g. the KV budget)
+        raise APIError(400, str(e), param="max_tokens", code="context_length_exceeded") from None
 
 
 def _usage(call: _Call, result: GenerationResult) -> dict[str, Any]:

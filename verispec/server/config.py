@@ -14,7 +14,9 @@ class ServerConfig:
 
     ``spec`` is the speculation used for requests routed to the speculative path (a request
     may name another method or k); ``spec_fraction`` is the canary share of requests routed
-    there when a request does not choose itself. ``admin_token`` guards the admin endpoints,
+    there when a request does not choose itself. ``max_batch`` requests share each target forward
+    (:class:`~verispec.engine.batch.BatchEngine`); with 1 the one-request engine serves them in turn,
+    which also serves layer-skip drafting. ``admin_token`` guards the admin endpoints,
     which are disabled without one.
     """
 
@@ -24,7 +26,8 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     admin_token: str | None = None
-    max_queue: int = 64  # requests waiting for the worker; more are refused with 429
+    max_batch: int = 4  # requests generated together (continuous batching); 1 = one at a time
+    max_queue: int = 64  # requests waiting for a slot; more are refused with 429
     retry_after_s: int = 1  # the Retry-After a refused client is given
     default_max_tokens: int = 16  # /v1/completions without max_tokens (OpenAI's default)
     stats_window_s: float = 60.0  # the window /stats and the dashboard summarise
@@ -37,6 +40,8 @@ class ServerConfig:
             raise VerispecError(f"spec_fraction must be in [0, 1] (got {self.spec_fraction!r})")
         if not 0 <= self.port <= 65535:
             raise VerispecError(f"port must be in [0, 65535] (got {self.port!r})")
+        if self.max_batch < 1:
+            raise VerispecError(f"max_batch must be at least 1 (got {self.max_batch!r})")
         if self.max_queue < 1:
             raise VerispecError(f"max_queue must be at least 1 (got {self.max_queue!r})")
         if self.retry_after_s < 0:

@@ -105,7 +105,7 @@ class ServerMetrics:
         self._token_events: dict[str, deque[tuple[float, int]]] = {p: deque() for p in PATHS}
         self._ttft: dict[str, float] = {}
         self._counts: dict[tuple[str, str], int] = defaultdict(int)  # (path, "running"|"waiting"|"finished")
-        self._kv: dict[str, float] = dict.fromkeys(PATHS, 0.0)
+        self._kv: dict[tuple[str, str], float] = {}  # per (path, method); a path's usage is their sum
         self._totals: dict[str, dict[str, int]] = {p: defaultdict(int) for p in PATHS}
 
     # -- Observer hooks ----------------------------------------------------------------------
@@ -141,9 +141,10 @@ class ServerMetrics:
             self._prune(now)
 
     def kv_usage(self, request: GenRequest, fraction: float) -> None:
-        self.kv_cache_usage.labels(*self._labels(request)).set(fraction)
+        labels = self._labels(request)
+        self.kv_cache_usage.labels(*labels).set(fraction)
         with self._lock:
-            self._kv[request.path] = fraction
+            self._kv[labels] = fraction
 
     def finished(self, request: GenRequest, result: GenerationResult | None, ran: bool) -> None:
         labels = self._labels(request)
@@ -157,7 +158,7 @@ class ServerMetrics:
         with self._lock:
             self._counts[request.path, "running" if ran else "waiting"] -= 1
             if ran:
-                self._kv[request.path] = 0.0
+                self._kv[labels] = 0.0
             ttft_s = self._ttft.pop(request.request_id, None)
         if result is None:
             self.request_failure.labels(*labels).inc()
@@ -217,7 +218,7 @@ class ServerMetrics:
                 paths[path] = {
                     "running": self._counts[path, "running"],
                     "waiting": self._counts[path, "waiting"],
-                    "kv_usage": self._kv[path],
+                    "kv_usage": sum(v for (p, _), v in self._kv.items() if p == path),
                     "window": {
                         "requests": len(recent),
                         "acceptance_rate": _ratio(sum(f.accepted for f in recent), sum(f.drafted for f in recent)),

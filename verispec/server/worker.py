@@ -2,8 +2,9 @@
 
 The engine is single-threaded, so every request goes through one thread fed by a bounded
 queue. The HTTP layer sees only the :class:`Worker` interface (``submit`` returns an async
-stream of events, ``cancel`` stops a request), so a batching scheduler can replace
-:class:`EngineWorker` without touching the endpoints.
+stream of events, ``cancel`` stops a request). :class:`EngineWorker` here runs one request at a
+time (``--max-batch 1``); :class:`~verispec.server.batch_worker.BatchWorker` implements the same
+interface on the continuous-batching engine.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from verispec.config import METHODS, SpecConfig
 from verispec.engine.engine import GenerationResult
@@ -130,12 +131,14 @@ class Worker(Protocol):
     """The interface the HTTP layer schedules through."""
 
     available_methods: frozenset[str]
+    context_len: int  # the longest prompt + max_tokens a request may have
 
     def start(self) -> None: ...
     def submit(self, request: GenRequest) -> TokenStream: ...
     def cancel(self, request_id: str) -> None: ...
     def close(self) -> None: ...
     def join(self, timeout: float | None = None) -> bool: ...
+    def stats(self) -> dict[str, Any]: ...
 
 
 @dataclass
@@ -169,6 +172,7 @@ class EngineWorker:
         self._cancel_running = False
         self._closing = False
         self._thread: threading.Thread | None = None
+        self.context_len = engine.config.max_len
         self.available_methods = self._probe_methods()
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -228,6 +232,10 @@ class EngineWorker:
     @property
     def num_running(self) -> int:
         return int(self._running is not None)
+
+    def stats(self) -> dict[str, Any]:
+        """The scheduling figures /stats shows (one slot)."""
+        return {"max_batch": 1, "running": self.num_running, "waiting": self.num_waiting}
 
     def submit(self, request: GenRequest) -> TokenStream:
         """Queue ``request``; call from the asyncio loop that will consume the stream."""

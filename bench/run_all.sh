@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Every benchmark behind the figures in README.md and docs/benchmarks/, in one sequential run.
+# Run on a quiet machine (nothing else using the cores): ./bench/run_all.sh [OUT_DIR]
+# Steps can be picked: STEPS="plain humaneval full" ./bench/run_all.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:-docs/benchmarks/$(date +%F)}
+STEPS=${STEPS:-"plain humaneval full advise two_process stability concurrency"}
+V=.venv/bin/verispec
+PY=.venv/bin/python
+PAIR=(--model qwen2.5-coder-1.5b-instruct --draft qwen2.5-coder-0.5b-instruct --dtype bfloat16 --draft-weights int8)
+mkdir -p "$OUT"
+for step in $STEPS; do
+  echo "== $step $(date +%T)"
+  case $step in
+    plain)        # issue 2: plain decoding vs transformers, and the bandwidth roofline
+      $PY bench/plain_decode.py --dtype bfloat16 --tokens 128 --json "$OUT/plain_decode.json" | tee "$OUT/plain_decode.md" ;;
+    humaneval)    # issue 3: first 20 HumanEval prompts, 128 new tokens, greedy
+      $V bench "${PAIR[@]}" --methods none,draft,draft:policy=cost,ngram,hybrid --dataset humaneval --n 20 \
+        --max-tokens 128 -k 5 --no-progress --out "$OUT/humaneval" ;;
+    full)         # issues 4-6: Spec-Bench (5 per category) + 20 HumanEval, with transformers as peers
+      $V bench "${PAIR[@]}" --methods none,draft,draft:k=3,draft:k=8,draft:policy=cost,ngram,hybrid \
+        --dataset spec_bench,humaneval --per-category 5 --n 20 --seed 0 --max-tokens 64 -k 5 --peers hf \
+        --no-progress --out "$OUT/full" ;;
+    advise)       # issue 5: measured costs, predicted vs measured speedup
+      mkdir -p "$OUT/advise"; $V advise "${PAIR[@]}" --k-max 16 --max-tokens 64 --out "$OUT/advise" | tee "$OUT/advise/advise.txt" ;;
+    two_process)  # issue 9: draft and target in one process vs one process each
+      $PY bench/two_process.py --model qwen2.5-coder-1.5b-instruct --draft qwen2.5-coder-0.5b-instruct \
+        --dtype bfloat16 --max-tokens 64 --prompts 2 --json "$OUT/two_process.json" | tee "$OUT/two_process.md" ;;
+    concurrency)  # issue 7: a short concurrency sweep
+      $PY bench/concurrency.py --dtype bfloat16 --max-tokens 48 --concurrency 1,2,4 --requests 8 \
+        --out "$OUT/concurrency" ;;
+    stability)    # issue 6: odd inputs, plain vs speculative
+      $V bench "${PAIR[@]}" --methods draft,ngram --dataset humaneval --n 1 --max-tokens 16 --max-len 1024 \
+        --stability --no-progress --out "$OUT/stability" ;;
+    *) echo "unknown step $step" >&2; exit 2 ;;
+  esac
+done
+echo "== done $(date +%T)"
