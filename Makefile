@@ -32,12 +32,9 @@ test: models lint chromium
 demo: models
 	$(VENV)/bin/verispec demo --out demo_out
 
-# The full comparison of docs/bench.md (hours on a CPU); BENCH_ARGS adds flags, e.g. BENCH_ARGS="--repeats 3".
+# Every benchmark behind the published figures (an hour or more on a CPU); STEPS picks some of them.
 bench: models
-	$(VENV)/bin/verispec bench --model qwen2.5-coder-1.5b-instruct --draft qwen2.5-coder-0.5b-instruct \
-		--draft-weights int8 --methods none,draft,ngram,draft:policy=cost,draft:policy=heuristic \
-		--dataset spec_bench,humaneval --per-category 5 --n 20 --seed 0 --max-tokens 128 -k 5 \
-		--peers hf --stability --out bench_out $(BENCH_ARGS)
+	STEPS="$(STEPS)" ./bench/run_all.sh $(BENCH_OUT)
 
 clean:
 	rm -rf $(VENV) demo_out bench_out

@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-docs/benchmarks/$(date +%F)}
-STEPS=${STEPS:-"plain humaneval full advise two_process stability concurrency"}
+STEPS=${STEPS:-plain humaneval full advise two_process stability concurrency}
 V=.venv/bin/verispec
 PY=.venv/bin/python
 PAIR=(--model qwen2.5-coder-1.5b-instruct --draft qwen2.5-coder-0.5b-instruct --dtype bfloat16 --draft-weights int8)

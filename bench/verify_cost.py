@@ -6,7 +6,7 @@ decoding speed too. Prints a table and writes ``verify_cost.json`` and ``verify_
 into ``--out``. Usage:
 
     python bench/verify_cost.py [--model qwen2.5-coder-1.5b-instruct] [--formats dense,int8,int4]
-                                [--dtype bfloat16] [--reps 3] [--decode-tokens 0] --out DIR
+                                [--dtype bfloat16] [--reps 3] [--decode-tokens 0] [--threads 0] --out DIR
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ import argparse
 import gc
 import json
 from pathlib import Path
+
+import torch
 
 from verispec import Engine, SamplingParams
 from verispec.bench.runner import machine
@@ -69,8 +71,11 @@ def main() -> None:
     ap.add_argument("--m-max", type=int, default=8)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--decode-tokens", type=int, default=0, help="also time plain greedy decoding of this many tokens")
+    ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)  # on a shared CPU, fewer threads than cores time far steadier
 
     rows = [measure(args.model, f, args.dtype, args.m_max, args.reps, args.decode_tokens)
             for f in args.formats.split(",")]

@@ -9,6 +9,7 @@ import os
 import sys
 from collections.abc import Sequence
 
+from verispec.config import SpecConfig
 from verispec.errors import VerispecError
 
 
@@ -23,6 +24,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="where both models run (cpu, cuda, cuda:1, ...)")
     p.add_argument("--target-device", help="the target's device (default: --device)")
     p.add_argument("--draft-device", help="the draft model's device (default: --device)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the forwards with static shapes (CUDA graphs on GPUs); eager if it fails")
     p.add_argument("--tp", type=int, default=int(os.environ.get("WORLD_SIZE", 1)),
                    help="tensor-parallel ranks for the target; launch with torchrun --nproc-per-node N "
                    "(default: WORLD_SIZE, else 1)")
@@ -31,7 +34,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 def _engine_kwargs(args: argparse.Namespace) -> dict:
     """EngineConfig fields from the engine arguments (besides model and draft)."""
     return dict(dtype=args.dtype, weights=args.weights, draft_weights=args.draft_weights, max_len=args.max_len,
-                device=args.device, target_device=args.target_device, draft_device=args.draft_device)
+                device=args.device, target_device=args.target_device, draft_device=args.draft_device,
+                compile=args.compile)
 
 
 def _no_tp(args: argparse.Namespace) -> None:
@@ -43,7 +47,9 @@ def _add_spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--method", default=None,
                    help="none, draft, ngram, retrieval, layerskip or hybrid (default: draft if --draft is given, "
                    "else none)")
-    p.add_argument("-k", type=int, default=5, help="draft tokens per step")
+    p.add_argument("-k", type=int, default=5, help="draft tokens per step (the largest k for adaptive policies)")
+    p.add_argument("--k-policy", default=SpecConfig.k_policy,
+                   help="fixed, heuristic, confidence or cost (choose k per step from measured costs)")
     p.add_argument("--datastore", help="retrieval/hybrid: a datastore built by `verispec datastore build`")
     p.add_argument("--layers", type=int, help="layerskip: how many of the target's layers draft (default: a quarter)")
 
@@ -52,8 +58,8 @@ def _spec_from(args: argparse.Namespace):
     from verispec.config import SpecConfig
 
     method = args.method or ("draft" if args.draft else "none")
-    return SpecConfig(method=method, k=args.k if method != "none" else 0, datastore=args.datastore,
-                      layers=args.layers)
+    return SpecConfig(method=method, k=args.k if method != "none" else 0, k_policy=args.k_policy,
+                      datastore=args.datastore, layers=args.layers)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -91,7 +91,8 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
 
     engine = Engine.from_pretrained(opts.model, draft=opts.draft, dtype=opts.dtype, weights=opts.weights,
-                                    draft_weights=opts.draft_weights, max_len=opts.max_len, progress=opts.progress)
+                                    draft_weights=opts.draft_weights, max_len=opts.max_len, progress=opts.progress,
+                                    compile=opts.compile)
     rss_after_load = rss_bytes()
     for m in methods:  # build every drafter now: an unavailable method fails before hours of running
         engine.drafter(m.spec)

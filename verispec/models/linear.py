@@ -3,18 +3,26 @@
 Decoding is memory-bound: the bytes of weight read per token set the speed, so the storage
 format of the projections is a first-class choice. ``dense`` keeps the compute dtype
 (fp32/bf16); ``int8`` stores int8 weights with one scale per output channel and runs
-PyTorch's own weight-only kernel, which reads half the bytes of bf16.
+PyTorch's own weight-only kernel, which reads half the bytes of bf16; ``int4`` stores 4-bit
+codes in groups of 32 input channels with a bf16 scale and zero point per group and runs
+PyTorch's tinygemm-style kernel (``_weight_int4pack_mm_for_cpu``; ``_weight_int4pack_mm`` on
+CUDA), a quarter of the bytes of bf16 plus 1/8 byte per weight of scales. See docs/quantization.md.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from verispec.errors import VerispecError
+from verispec.log import logger
 
-WEIGHT_FORMATS = ("dense", "int8")
+WEIGHT_FORMATS = ("dense", "int8", "int4")
+INT4_GROUP = 32
 
 
 class DenseLinear(nn.Module):
@@ -27,15 +35,35 @@ class DenseLinear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
+@dataclass
+class Int8Weight:
+    """Symmetric int8 per output channel: ``w = qweight * scale[:, None]``. Rows concatenate freely."""
+
+    qweight: torch.Tensor  # int8 [N, K]
+    scale: torch.Tensor  # [N], compute dtype
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor, dtype: torch.dtype) -> Int8Weight:
+        w = weight.to(dtype).float()  # quantize what the dense path would hold, cache or not
+        scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
+        return cls(torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale.to(dtype))
+
+    @staticmethod
+    def cat(parts: list[Int8Weight]) -> Int8Weight:
+        return Int8Weight(torch.cat([p.qweight for p in parts]), torch.cat([p.scale for p in parts]))
+
+    def dequantize(self) -> torch.Tensor:
+        return self.qweight.float() * self.scale.float()[:, None]
+
+
 class Int8Linear(nn.Module):
     """Weight-only int8, symmetric, per output channel."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+    def __init__(self, weight: torch.Tensor | Int8Weight, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
         super().__init__()
-        w = weight.to(dtype).float()  # quantize what the dense path would hold, cache or not
-        scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
-        self.register_buffer("qweight", torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8))
-        self.register_buffer("scale", scale.to(dtype))
+        q = weight if isinstance(weight, Int8Weight) else Int8Weight.quantize(weight, dtype)
+        self.register_buffer("qweight", q.qweight)
+        self.register_buffer("scale", q.scale.to(dtype))
         self.register_buffer("bias", None if bias is None else bias.to(dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -48,10 +76,233 @@ class Int8Linear(nn.Module):
         return self.qweight.float() * self.scale.float()[:, None]
 
 
-def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, fmt: str, dtype: torch.dtype) -> nn.Module:
-    """A linear layer computing ``x @ weight.T + bias`` with weights stored as ``fmt``."""
+# -- int4 ---------------------------------------------------------------------------------
+
+
+@dataclass
+class QuantizedTensor:
+    """A [N, K] weight as 4-bit codes in groups along K: ``w = scales * codes - mins`` (per group).
+
+    This is the form a GGUF Q4_K tensor decodes to without a float detour (sub-block scale
+    ``d * sc`` and min ``dmin * m``); rows are output channels, so fused projections concatenate.
+    """
+
+    codes: torch.Tensor  # uint8 [N, K], 0..15
+    scales: torch.Tensor  # fp32 [N, K // group_size]
+    mins: torch.Tensor  # fp32 [N, K // group_size]
+    group_size: int = INT4_GROUP
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.codes.shape)
+
+    def dequantize(self) -> torch.Tensor:
+        g = self.group_size
+        q = self.codes.float().view(self.shape[0], -1, g)
+        return (self.scales[..., None] * q - self.mins[..., None]).view(self.shape)
+
+    @staticmethod
+    def cat(parts: list[QuantizedTensor]) -> QuantizedTensor:
+        return QuantizedTensor(torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]),
+                               torch.cat([p.mins for p in parts]), parts[0].group_size)
+
+    def permute_rows(self, index: torch.Tensor) -> QuantizedTensor:
+        return QuantizedTensor(self.codes[index], self.scales[index], self.mins[index], self.group_size)
+
+
+def int4_supported(n: int, k: int, group_size: int = INT4_GROUP) -> bool:
+    """Whether PyTorch's int4 kernels take an [n, k] weight in groups of ``group_size``."""
+    return group_size in (32, 64, 128, 256) and k % group_size == 0 and n % 16 == 0 and k % 2 == 0
+
+
+def _cpu_block_n() -> int:
+    # weight_to_int4pack_kernel packs rows in blocks of 4 float vectors: 64 on AVX512, else 32.
+    return 64 if torch.backends.cpu.get_cpu_capability() == "AVX512" else 32
+
+
+@cache
+def _cpu_block_layout(nb: int) -> torch.Tensor:
+    """Row index held by each nibble of one k-slice of a packed block of ``nb`` rows.
+
+    Found by packing probes of row indices (4 bits at a time), so it follows whatever the
+    installed PyTorch does; returns [nb] = rows for (byte 0 lo, ..., byte nb/2-1 lo, byte 0 hi, ...).
+    """
+    rows = torch.arange(nb, dtype=torch.int32)
+    digits = []
+    for shift in (0, 4):
+        probe = ((rows >> shift) & 15)[:, None].expand(nb, 2).contiguous()
+        packed = torch._convert_weight_to_int4pack_for_cpu(probe, 1).reshape(-1)[: nb // 2].to(torch.int32)
+        digits.append(torch.cat([packed & 15, packed >> 4]) << shift)
+    return (digits[0] | digits[1]).long()
+
+
+def _unpack_cpu(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """Codes [n, k] (uint8) back from ``_convert_weight_to_int4pack_for_cpu``'s layout."""
+    bn = _cpu_block_n()
+    flat = packed.reshape(-1)
+    out = torch.empty(n, k, dtype=torch.uint8)
+    start = 0
+    while start < n:
+        nb = bn if n - start >= bn else n - start
+        count = (n - start) // bn if nb == bn else 1  # all full blocks at once, then the tail
+        chunk = flat[start * k // 2: (start + count * nb) * k // 2].view(count, k, nb // 2)
+        vals = torch.cat([chunk & 15, chunk >> 4], dim=-1)  # [count, k, nb] in nibble order
+        block = torch.empty(count, nb, k, dtype=torch.uint8)
+        block[:, _cpu_block_layout(nb)] = vals.transpose(1, 2)
+        out[start: start + count * nb] = block.reshape(count * nb, k)
+        start += count * nb
+    return out
+
+
+@dataclass
+class Int4Weight:
+    """An int4 weight ready for the kernel: packed codes plus ``scales_and_zeros`` [K/G, N, 2] (bf16).
+
+    PyTorch's convention (tinygemm, as in gpt-fast/torchao): ``w = (q - 8) * scale + zero`` for
+    codes q in 0..15. ``packed`` is in the CPU kernel's layout (which depends on the CPU's
+    vector width, see :func:`_cpu_block_n`).
+    """
+
+    packed: torch.Tensor  # uint8 [N, K // 2]
+    scales_and_zeros: torch.Tensor  # bf16 [K // group_size, N, 2]
+    group_size: int = INT4_GROUP
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.scales_and_zeros.shape[1], self.packed.shape[1] * 2
+
+    @classmethod
+    def from_codes(cls, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                   group_size: int = INT4_GROUP) -> Int4Weight:
+        """From codes [N, K] and per-group (bf16-rounded) scales/zeros [N, K // group_size]."""
+        n, k = codes.shape
+        if not int4_supported(n, k, group_size):
+            raise VerispecError(f"int4 needs rows % 16 == 0 and columns % {group_size} == 0, got [{n}, {k}]")
+        packed = torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
+        sz = torch.stack([scales.t(), zeros.t()], dim=-1).to(torch.bfloat16).contiguous()
+        return cls(packed, sz, group_size)
+
+    @classmethod
+    def from_quantized(cls, qt: QuantizedTensor) -> Int4Weight:
+        """``scale * q - min`` is ``(q - 8) * scale + zero`` with ``zero = 8 * scale - min``.
+
+        Both are then held in bf16 (the kernel's dtype): ~3 significant digits, so a weight moves
+        by at most about ``(8 * |scale| + |zero|) / 256``, a few percent of one quantization step.
+        """
+        return cls.from_codes(qt.codes, qt.scales, 8 * qt.scales - qt.mins, qt.group_size)
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor, group_size: int = INT4_GROUP) -> Int4Weight:
+        """Asymmetric min/max quantization per group (as torchao's groupwise affine int4)."""
+        w = weight.float()
+        n, k = w.shape
+        if not int4_supported(n, k, group_size):
+            raise VerispecError(f"int4 needs rows % 16 == 0 and columns % {group_size} == 0, got [{n}, {k}]")
+        g = w.view(n, k // group_size, group_size)
+        lo, hi = g.amin(-1), g.amax(-1)
+        # Round the scale/zero to bf16 first, then pick codes against the values the kernel will use.
+        scale = ((hi - lo).clamp(min=1e-6) / 15).to(torch.bfloat16).float()
+        zero = (lo + 8 * scale).to(torch.bfloat16).float()
+        q = torch.round((g - (zero - 8 * scale)[..., None]) / scale[..., None]).clamp(0, 15)
+        return cls.from_codes(q.to(torch.uint8).view(n, k), scale, zero, group_size)
+
+    def codes(self) -> torch.Tensor:
+        return _unpack_cpu(self.packed, *self.shape)
+
+    @staticmethod
+    def cat(parts: list[Int4Weight]) -> Int4Weight:
+        """Concatenate along output rows (fused q/k/v and gate/up projections)."""
+        g = parts[0].group_size
+        sz = torch.cat([p.scales_and_zeros for p in parts], dim=1)
+        if all(p.shape[0] % _cpu_block_n() == 0 for p in parts[:-1]):
+            # Packed blocks never straddle a part: the packed bytes simply follow each other.
+            return Int4Weight(torch.cat([p.packed for p in parts]), sz, g)
+        codes = torch.cat([p.codes() for p in parts])
+        return Int4Weight(torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1), sz, g)
+
+    def dequantize(self) -> torch.Tensor:
+        n, k = self.shape
+        sz = self.scales_and_zeros.float()  # [K/G, N, 2]
+        q = self.codes().float().view(n, k // self.group_size, self.group_size) - 8
+        return (q * sz[..., 0].t()[..., None] + sz[..., 1].t()[..., None]).view(n, k)
+
+
+class Int4Linear(nn.Module):
+    """Weight-only int4 in groups along the input dimension, asymmetric (scale and zero point).
+
+    The CPU kernel is vectorised for bf16 only (its fp32 path is scalar and ~10x slower), so
+    activations are cast to bf16 around each matmul whatever the model's dtype.
+    """
+
+    def __init__(self, weight: Int4Weight, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.group_size = weight.group_size
+        self.register_buffer("qweight", weight.packed)
+        self.register_buffer("scales_and_zeros", weight.scales_and_zeros)
+        self.register_buffer("bias", None if bias is None else bias.to(dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1]).to(torch.bfloat16)
+        if self.qweight.is_cuda:
+            y = torch._weight_int4pack_mm(x2, self.qweight, self.group_size, self.scales_and_zeros)
+        else:
+            y = torch._weight_int4pack_mm_for_cpu(x2, self.qweight, self.group_size, self.scales_and_zeros)
+        y = y.to(x.dtype).reshape(*shape[:-1], -1)
+        return y if self.bias is None else y + self.bias
+
+    def int4_weight(self) -> Int4Weight:
+        if self.qweight.is_cuda:
+            raise VerispecError("int4 weights packed for CUDA cannot be unpacked")
+        return Int4Weight(self.qweight, self.scales_and_zeros, self.group_size)
+
+    def dequantized(self) -> torch.Tensor:
+        return self.int4_weight().dequantize()
+
+    def _apply(self, fn, recurse=True):  # noqa: ANN001, ANN202 - nn.Module's signature
+        # Moving to CUDA: the packed layouts differ, so unpack the codes here and repack there
+        # (untested on hardware: no GPU was available when this was written).
+        before = self.qweight.device
+        after = fn(torch.empty(0, device=before)).device
+        codes = self.int4_weight().codes() if after.type == "cuda" and before.type != "cuda" else None
+        if after.type != "cuda" and before.type == "cuda":
+            raise VerispecError("int4 weights cannot move from CUDA back to the CPU; reload the model")
+        super()._apply(fn, recurse)
+        if codes is not None:
+            k = self.in_features
+            tiles = next((t for t in (8, 4, 2) if k % (t * 16) == 0), None)
+            if tiles is None:
+                raise VerispecError(f"CUDA int4 needs in_features % 32 == 0, got {k}")
+            codes = codes.to(after)
+            nibbles = (codes[:, ::2] << 4 | codes[:, 1::2]).contiguous()
+            self.qweight = torch._convert_weight_to_int4pack(nibbles, tiles)
+        return self
+
+
+def make_linear(weight: torch.Tensor | QuantizedTensor | Int4Weight | Int8Weight, bias: torch.Tensor | None,
+                fmt: str, dtype: torch.dtype) -> nn.Module:
+    """A linear layer computing ``x @ weight.T + bias`` with weights stored as ``fmt``.
+
+    ``weight`` is a float tensor, or already quantized: an :class:`Int4Weight` / :class:`Int8Weight`
+    is used as it is, a :class:`QuantizedTensor` (4-bit codes, e.g. from Q4_K) becomes int4
+    without a float detour, or is dequantized for the other formats.
+    """
+    if isinstance(weight, Int4Weight):
+        return Int4Linear(weight, bias, dtype)
+    if isinstance(weight, Int8Weight):
+        return Int8Linear(weight, bias, dtype)
+    if fmt not in WEIGHT_FORMATS:
+        raise VerispecError(f"unknown weight format '{fmt}' (choose from {', '.join(WEIGHT_FORMATS)})")
+    if fmt == "int4" and int4_supported(*weight.shape):
+        if isinstance(weight, QuantizedTensor):
+            return Int4Linear(Int4Weight.from_quantized(weight), bias, dtype)
+        return Int4Linear(Int4Weight.quantize(weight.to(dtype)), bias, dtype)
+    if fmt == "int4":
+        logger.debug("int4 does not fit a [%d, %d] weight; keeping it dense", *weight.shape)
+        fmt = "dense"
+    if isinstance(weight, QuantizedTensor):
+        weight = weight.dequantize()
     if fmt == "dense":
         return DenseLinear(weight.to(dtype), None if bias is None else bias.to(dtype))
-    if fmt == "int8":
-        return Int8Linear(weight, bias, dtype)
-    raise VerispecError(f"unknown weight format '{fmt}' (choose from {', '.join(WEIGHT_FORMATS)})")
+    return Int8Linear(weight, bias, dtype)

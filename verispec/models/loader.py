@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +21,16 @@ from verispec import hub
 from verispec.errors import VerispecError
 from verispec.log import logger
 from verispec.models.args import ModelArgs
+from verispec.models.linear import Int4Weight, Int8Weight, QuantizedTensor, int4_supported
 from verispec.models.llama import Transformer
 
 CONVERT_VERSION = 1
+INT4_VERSION = 1  # bump when the int4 conversion or its cache layout changes
+# GGUF types with more than ~4.5 bits a weight: under ``int4`` these go to int8 instead, so the
+# tensors llama.cpp chose to keep more precise (Q4_K_M's Q6_K ffn_down/attn_v/output) stay so.
+_INT8_TYPES = {"Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0", "Q8_1", "Q8_K"}
+_FUSED = [("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj")]
+_Q4_K_BLOCK = 144  # bytes: fp16 d, fp16 dmin, 12 bytes of 6-bit scales/mins, 128 bytes of 4-bit codes
 
 _GGUF_NAMES = {
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
@@ -53,8 +60,14 @@ class ModelSource:
     eos_token_ids: set[int] = field(default_factory=set)
     _get: Any = None
 
+    _get_int4: Any = None
+
     def get(self, name: str) -> torch.Tensor | None:
         return self._get(name)
+
+    def get_int4(self, name: str, dtype: torch.dtype) -> torch.Tensor | Int4Weight | Int8Weight | None:
+        """``name`` as the int4 format wants it (see :func:`int4_getter`); plain ``get`` if not GGUF."""
+        return self._get(name) if self._get_int4 is None else self._get_int4(name, dtype)
 
 
 def _gguf_field(reader: Any, key: str, default: Any = None) -> Any:
@@ -62,7 +75,45 @@ def _gguf_field(reader: Any, key: str, default: Any = None) -> Any:
     return default if f is None else f.contents()
 
 
+def _header_file(path: Path) -> Path:
+    return hub.home() / "converted" / f"{file_key(path)}-header-v{CONVERT_VERSION}.json"
+
+
+def file_key(path: Path) -> str:
+    """A cheap fingerprint of a model file (name, size, modification time) naming its caches."""
+    st = path.stat()
+    return f"{path.stem}-{st.st_size}-{int(st.st_mtime)}"
+
+
 def open_gguf(path: Path) -> ModelSource:
+    """A GGUF file as a source. Parsing a GGUF header (with its whole vocabulary) takes seconds, so
+    the architecture is cached beside the converted weights and the file itself is only parsed
+    when a tensor is actually read (never, once the converted weights are cached)."""
+    header = _header_file(path)
+    if header.is_file():
+        info = json.loads(header.read_text())
+        parsed: list[ModelSource] = []
+
+        def lazy(attr: str) -> Any:
+            def call(*a: Any) -> Any:
+                if not parsed:
+                    parsed.append(_parse_gguf(path))
+                return getattr(parsed[0], attr)(*a)
+            return call
+
+        return ModelSource(path, ModelArgs(**info["args"]), info["tensor_names"], set(info["eos_token_ids"]),
+                           lazy("get"), lazy("get_int4"))
+    src = _parse_gguf(path)
+    try:
+        header.parent.mkdir(parents=True, exist_ok=True)
+        header.write_text(json.dumps({"args": asdict(src.args), "tensor_names": src.tensor_names,
+                                      "eos_token_ids": sorted(src.eos_token_ids)}))
+    except OSError as e:
+        logger.warning("could not cache the GGUF header at %s: %s", header, e)
+    return src
+
+
+def _parse_gguf(path: Path) -> ModelSource:
     import gguf
 
     try:
@@ -92,6 +143,40 @@ def open_gguf(path: Path) -> ModelSource:
         qkv_bias="blk.0.attn_q.bias" in tensors,
     )
 
+    def unpermute(name: str) -> torch.Tensor | None:
+        """Row order that undoes llama.cpp's q/k interleave (llama only), or None."""
+        if arch != "llama" or not (name.endswith("q_proj.weight") or name.endswith("k_proj.weight")):
+            return None
+        heads = args.n_heads if "q_proj" in name else args.n_kv_heads
+        n = int(tensors[hf_to_gguf_name(name)].shape[1])
+        return torch.arange(n).reshape(heads, n // heads // 2, 2).transpose(1, 2).reshape(-1)
+
+    def fused_siblings(name: str) -> list[str]:
+        for group in _FUSED:
+            for part in group:
+                if name.endswith(f".{part}.weight"):
+                    stem = name.removesuffix(f"{part}.weight")
+                    found = (hf_to_gguf_name(f"{stem}{p}.weight") for p in group if p != part)
+                    return [g for g in found if g in tensors]
+        return []
+
+    def get_int4(name: str, dtype: torch.dtype) -> torch.Tensor | Int4Weight | Int8Weight | None:
+        t = tensors.get(hf_to_gguf_name(name))
+        if t is None or not _is_projection(name):
+            return get(name)
+        kind = t.tensor_type.name
+        if kind in _INT8_TYPES or any(tensors[s].tensor_type.name in _INT8_TYPES for s in fused_siblings(name)):
+            # A fused layer has one format: q/k next to a Q6_K v_proj go int8 with it.
+            return Int8Weight.quantize(get(name), dtype)
+        rows, cols = int(t.shape[1]), int(t.shape[0])
+        if not int4_supported(rows, cols):
+            return get(name)
+        if kind == "Q4_K":
+            qt = decode_q4_k(np.asarray(t.data), (rows, cols))
+            idx = unpermute(name)
+            return Int4Weight.from_quantized(qt if idx is None else qt.permute_rows(idx))
+        return Int4Weight.quantize(get(name).to(dtype))
+
     def get(name: str) -> torch.Tensor | None:
         t = tensors.get(hf_to_gguf_name(name))
         if t is None:
@@ -109,7 +194,37 @@ def open_gguf(path: Path) -> ModelSource:
 
     eos_id = _gguf_field(reader, "tokenizer.ggml.eos_token_id")
     hf_names = [n for n in (gguf_to_hf_name(t) for t in tensors) if n is not None]
-    return ModelSource(path, args, hf_names, set() if eos_id is None else {int(eos_id)}, get)
+    return ModelSource(path, args, hf_names, set() if eos_id is None else {int(eos_id)}, get, get_int4)
+
+
+def _is_projection(name: str) -> bool:
+    return name == "lm_head.weight" or name.endswith("_proj.weight")
+
+
+def decode_q4_k(data: np.ndarray, shape: tuple[int, int]) -> QuantizedTensor:
+    """Codes, scales and mins of a GGUF Q4_K tensor [rows, cols], straight from its block bytes.
+
+    A 256-weight super-block holds fp16 ``d`` and ``dmin`` and, per sub-block of 32, a 6-bit
+    scale ``sc`` and min ``m``: ``w = (d * sc) * q - (dmin * m)``, which is exactly
+    :class:`QuantizedTensor`'s ``scales * codes - mins`` with groups of 32 (fp32 products, as
+    ``gguf.quants.dequantize`` computes them, so the two agree bit for bit).
+    """
+    rows, cols = shape
+    blocks = np.ascontiguousarray(data).view(np.uint8).reshape(-1, _Q4_K_BLOCK)
+    n = blocks.shape[0]
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)  # [n, 1]
+    dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+    s = blocks[:, 4:16].reshape(n, 3, 4)
+    # bytes 0-3: low 6 bits = scales 0-3 (top 2 bits: high bits of scales 4-7); bytes 4-7: the
+    # same for mins; bytes 8-11: low nibble = low 4 bits of scales 4-7, high nibble = of mins 4-7.
+    sc = np.concatenate([s[:, 0] & 0x3F, (s[:, 2] & 0x0F) | ((s[:, 0] >> 2) & 0x30)], axis=1)
+    mn = np.concatenate([s[:, 1] & 0x3F, (s[:, 2] >> 4) | ((s[:, 1] >> 2) & 0x30)], axis=1)
+    # 128 bytes = 4 chunks of 32; sub-block 2j is chunk j's low nibbles, 2j+1 its high nibbles.
+    qs = blocks[:, 16:].reshape(n, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    codes = (qs & 0x0F).reshape(rows, cols)
+    scales = (d * sc.astype(np.float32)).reshape(rows, cols // 32)
+    mins = (dmin * mn.astype(np.float32)).reshape(rows, cols // 32)
+    return QuantizedTensor(torch.from_numpy(codes), torch.from_numpy(scales), torch.from_numpy(mins), 32)
 
 
 def gguf_to_hf_name(name: str) -> str | None:
@@ -134,7 +249,7 @@ def converted(src: ModelSource, dtype: torch.dtype, progress: bool = True) -> Mo
 
     short = str(dtype).removeprefix("torch.")
     # The version tag invalidates old caches whenever the conversion itself changes.
-    folder = hub.home() / "converted" / f"{src.path.stem}-{src.path.stat().st_size}-{short}-v{CONVERT_VERSION}"
+    folder = hub.home() / "converted" / f"{file_key(src.path)}-{short}-v{CONVERT_VERSION}"
     if not (folder / "model.safetensors").is_file():
         logger.info("converting %s to %s (once; cached in %s)", src.path.name, short, folder)
         tensors = {}
@@ -148,6 +263,60 @@ def converted(src: ModelSource, dtype: torch.dtype, progress: bool = True) -> Mo
         del tensors
     cached = open_safetensors(folder, src.args)
     return ModelSource(src.path, src.args, cached.tensor_names, src.eos_token_ids, cached._get)
+
+
+def converted_int4(src: ModelSource, dtype: torch.dtype, progress: bool = True) -> ModelSource:
+    """A GGUF source converted once for ``--weights int4`` and cached as safetensors.
+
+    Per Hugging Face name the cache holds what :meth:`ModelSource.get_int4` returns: packed
+    int4 codes and bf16 scales/zeros (``NAME.int4_packed``, ``NAME.int4_sz``), int8 codes and
+    scales (``NAME.int8_q``, ``NAME.int8_scale``) or a plain ``dtype`` tensor. The packed layout
+    depends on the CPU's vector width, so that is part of the folder name.
+    """
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    from tqdm import tqdm
+
+    short = str(dtype).removeprefix("torch.")
+    layout = torch.backends.cpu.get_cpu_capability()
+    folder = (hub.home() / "converted"
+              / f"{file_key(src.path)}-int4-{short}-{layout}-v{INT4_VERSION}")
+    file = folder / "model.safetensors"
+    if not file.is_file():
+        logger.info("converting %s to int4 (once; cached in %s)", src.path.name, folder)
+        tensors: dict[str, torch.Tensor] = {}
+        for name in tqdm(src.tensor_names, desc=f"quantizing {src.path.name}", disable=not progress or None,
+                         leave=False):
+            t = src.get_int4(name, dtype)
+            if isinstance(t, Int4Weight):
+                tensors[name + ".int4_packed"], tensors[name + ".int4_sz"] = t.packed, t.scales_and_zeros
+            elif isinstance(t, Int8Weight):
+                tensors[name + ".int8_q"], tensors[name + ".int8_scale"] = t.qweight, t.scale
+            else:
+                tensors[name] = t.to(dtype)
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = folder / "model.safetensors.partial"
+        save_file(tensors, str(tmp), metadata={"group_size": "32", "cpu_layout": layout})
+        os.replace(tmp, file)
+        del tensors
+    try:
+        handle = safe_open(str(file), framework="pt")
+    except Exception as e:
+        raise VerispecError(f"{file}: unreadable safetensors file ({e}); delete it to convert again") from None
+    keys = set(handle.keys())
+    group = int((handle.metadata() or {}).get("group_size", 32))
+
+    def get(name: str) -> torch.Tensor | None:
+        return handle.get_tensor(name) if name in keys else None
+
+    def get_int4(name: str, dtype: torch.dtype) -> torch.Tensor | Int4Weight | Int8Weight | None:
+        if name + ".int4_packed" in keys:
+            return Int4Weight(get(name + ".int4_packed"), get(name + ".int4_sz"), group)
+        if name + ".int8_q" in keys:
+            return Int8Weight(get(name + ".int8_q"), get(name + ".int8_scale"))
+        return get(name)
+
+    return ModelSource(src.path, src.args, src.tensor_names, src.eos_token_ids, get, get_int4)
 
 
 def open_hf_folder(path: Path) -> ModelSource:
@@ -202,17 +371,19 @@ def build_model(src: ModelSource, dtype: torch.dtype, weight_format: str = "dens
                 cache: bool = True) -> Transformer:
     """Materialise the decoder from ``src``, showing progress while tensors load.
 
-    With ``cache`` a GGUF source is first converted once to ``dtype`` (see :func:`converted`).
+    With ``cache`` a GGUF source is first converted once to ``dtype`` (see :func:`converted`),
+    or for ``int4`` to packed int4/int8 weights (see :func:`converted_int4`).
     """
     from tqdm import tqdm
 
+    int4 = weight_format == "int4" and src._get_int4 is not None
     if cache:
-        src = converted(src, dtype, progress)
+        src = converted_int4(src, dtype, progress) if int4 else converted(src, dtype, progress)
     bar = tqdm(total=len(src.tensor_names), desc=f"loading {src.path.name}", unit="tensor",
                disable=not progress or None, leave=False)
 
-    def get(name: str) -> torch.Tensor | None:
-        t = src.get(name)
+    def get(name: str) -> torch.Tensor | Int4Weight | Int8Weight | None:
+        t = src.get_int4(name, dtype) if int4 else src.get(name)
         bar.update(1 if t is not None else 0)
         return t
 
@@ -236,7 +407,7 @@ def load_tokenizer(src: ModelSource) -> Any | None:
     if src.path.is_dir():
         has_tok = any((src.path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json"))
         return AutoTokenizer.from_pretrained(str(src.path)) if has_tok else None
-    cached = hub.home() / "tokenizers" / f"{src.path.stem}-{src.path.stat().st_size}"
+    cached = hub.home() / "tokenizers" / file_key(src.path)
     if (cached / "tokenizer_config.json").exists():
         return AutoTokenizer.from_pretrained(str(cached))
     logger.info("converting the GGUF tokenizer of %s (once)", src.path.name)
