@@ -19,8 +19,8 @@ for step in $STEPS; do
       $V bench "${PAIR[@]}" --methods none,draft,draft:policy=cost,ngram,hybrid --dataset humaneval --n 20 \
         --max-tokens 128 -k 5 --no-progress --out "$OUT/humaneval" ;;
     full)         # issues 4-6: Spec-Bench (5 per category) + 20 HumanEval, with transformers as peers
-      $V bench "${PAIR[@]}" --methods none,draft,draft:k=3,draft:k=8,draft:policy=cost,ngram,hybrid \
-        --dataset spec_bench,humaneval --per-category 5 --n 20 --seed 0 --max-tokens 64 -k 5 --peers hf \
+      $V bench "${PAIR[@]}" --methods none,draft,draft:k=3,draft:policy=cost,ngram,hybrid \
+        --dataset spec_bench,humaneval --per-category 5 --n 20 --seed 0 --max-tokens 48 -k 5 --peers hf \
         --no-progress --out "$OUT/full" ;;
     advise)       # issue 5: measured costs, predicted vs measured speedup
       mkdir -p "$OUT/advise"; $V advise "${PAIR[@]}" --k-max 16 --max-tokens 64 --out "$OUT/advise" | tee "$OUT/advise/advise.txt" ;;

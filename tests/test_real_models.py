@@ -15,6 +15,15 @@ TARGET, DRAFT, SMOL = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruc
 
 pytestmark = pytest.mark.real
 
+
+@pytest.fixture(scope="module", autouse=True)
+def all_threads():
+    """conftest pins one thread for the tiny models; real models are memory-bound and want every core."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(os.cpu_count() or 1)
+    yield
+    torch.set_num_threads(before)
+
 PROMPTS = [
     "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
     "The three primary colors are",

@@ -15,7 +15,7 @@ TARGET, DRAFT = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
 
 
 def run_demo(out: str, n_prompts: int = 4, max_tokens: int = 96) -> None:
-    """Greedy decoding of a few HumanEval and Spec-Bench prompts: plain, draft model, prompt lookup."""
+    """Greedy decoding of a few HumanEval and Spec-Bench prompts: plain, draft model, prompt lookup, hybrid."""
     out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
     prompts = datasets.humaneval(n_prompts // 2 or 1)
@@ -23,7 +23,7 @@ def run_demo(out: str, n_prompts: int = 4, max_tokens: int = 96) -> None:
         prompts += datasets.spec_bench(categories=["summarization", "qa"], per_category=max(1, n_prompts // 4))
     engine = Engine.from_pretrained(TARGET, draft=DRAFT, dtype="auto", draft_weights="int8", max_len=2048)
     methods = {"plain": PLAIN, "draft k=5": SpecConfig(method="draft", k=5),
-               "ngram k=5": SpecConfig(method="ngram", k=5)}
+               "ngram k=5": SpecConfig(method="ngram", k=5), "hybrid k=5": SpecConfig(method="hybrid", k=5)}
     runs = run_methods(engine, prompts, methods, SamplingParams(max_tokens=max_tokens))
     rows = summarize(prompts, runs, baseline="plain")
     info = machine()

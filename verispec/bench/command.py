@@ -50,6 +50,7 @@ class BenchOptions:
     weights: str = "dense"
     draft_weights: str = "dense"
     max_len: int = 4096
+    compile: bool = False
     out: str = "bench_out"
     progress: bool = True
     plots: bool = True
@@ -301,7 +302,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         repeats=args.repeats, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         peers=[p.strip() for p in args.peers.split(",") if p.strip()], lookup_tokens=args.lookup_tokens,
         stability=args.stability, stability_max_tokens=args.stability_max_tokens, mt_bench_turns=args.mt_bench_turns,
-        dtype=args.dtype, weights=args.weights, draft_weights=args.draft_weights, max_len=args.max_len, out=args.out,
-        progress=not args.no_progress, plots=not args.no_plots)
+        dtype=args.dtype, weights=args.weights, draft_weights=args.draft_weights, max_len=args.max_len,
+        compile=args.compile, out=args.out, progress=not args.no_progress, plots=not args.no_plots)
     run_bench(opts)
     return 0

@@ -53,10 +53,14 @@ class CostModel:
         return max(range(k_max + 1), key=lambda k: (self.speed(a, k), -k))
 
     def observe(self, k: int, drafted: int, propose_s: float, score_s: float) -> None:
+        """Fold one step's timings in. The verification curve keeps its profiled shape and only
+        its level follows what steps measure: a policy sticking to one k would otherwise never
+        correct the entries of the k it does not try."""
         w = self.smoothing
         if drafted:
             self.draft_s += w * (propose_s / drafted - self.draft_s)
-        self.verify_s[k] += w * (score_s - self.verify_s[k])
+        scale = 1.0 + w * (score_s / self.verify_s[k] - 1.0)
+        self.verify_s = [t * scale for t in self.verify_s]
 
 
 class KPolicy(ABC):

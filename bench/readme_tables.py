@@ -1,0 +1,54 @@
+"""Render the README's results tables from benchmark reports, so no figure is typed by hand.
+
+    python bench/readme_tables.py docs/benchmarks/2026-11-30
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def summary_table(report: dict, methods: list[str] | None = None) -> str:
+    rows = [r for r in report["summary"] if methods is None or r["method"] in methods]
+    out = ["| method | tokens/s | speedup vs plain | mean accepted length | acceptance | same tokens as plain |",
+           "|---|---:|---:|---:|---:|---:|"]
+    match = {c["method"]: c.get("exact_match") for c in report.get("consistency", [])}
+    for r in rows:
+        acc = "–" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.0%}"
+        same = match.get(r["method"])
+        out.append(f"| {r['method']} | {r['tokens_per_s']:.2f} | {r['speedup']:.2f}x | "
+                   f"{r['mean_accepted_length']:.2f} | {acc} | {'–' if same is None else f'{same:.0%}'} |")
+    return "\n".join(out)
+
+
+def category_table(report: dict) -> str:
+    rows = report["per_category"]
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    cats = list(dict.fromkeys(r["category"] for r in rows))
+    out = ["| category | " + " | ".join(methods) + " |", "|---|" + "---:|" * len(methods)]
+    for c in cats:
+        cells = []
+        for m in methods:
+            r = next((x for x in rows if x["method"] == m and x["category"] == c), None)
+            cells.append("–" if r is None else f"{r['speedup']:.2f}x")
+        out.append(f"| {c} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def main() -> None:
+    root = Path(sys.argv[1])
+    for name in ("humaneval", "full"):
+        path = root / name / "report.json"
+        if not path.is_file():
+            continue
+        report = json.loads(path.read_text())
+        print(f"### {name}: {report['title']} ({report['date'][:10]})\n")
+        print(summary_table(report) + "\n")
+        if name == "full":
+            print(category_table(report) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,60 @@
+"""`verispec advise` and the cost model behind the `cost` k policy."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from verispec.advise import advise, format_advice
+from verispec.engine.policy import CostK, CostModel, expected_tokens
+
+
+def test_expected_tokens_matches_the_geometric_sum():
+    for a in (0.0, 0.3, 0.8, 0.99):
+        for k in range(6):
+            assert expected_tokens(a, k) == pytest.approx(sum(a**i for i in range(k + 1)))
+    assert expected_tokens(1.0, 4) == 5.0
+
+
+def test_cost_model_prefers_plain_when_drafts_are_expensive_and_deep_k_when_cheap():
+    flat = [0.1] * 9
+    assert CostModel(draft_s=0.2, verify_s=list(flat)).best_k(0.5, 8) == 0  # a draft token costs 2 target steps
+    assert CostModel(draft_s=0.001, verify_s=list(flat)).best_k(0.9, 8) == 8  # free drafts, flat verification
+    steep = [0.1 * (1 + m) for m in range(9)]  # verification compute-bound: every scored token costs a step
+    assert CostModel(draft_s=0.001, verify_s=steep).best_k(0.6, 8) == 0
+
+
+def test_online_timings_rescale_the_whole_curve():
+    costs = CostModel(draft_s=0.01, verify_s=[0.1, 0.11, 0.12])
+    for _ in range(200):
+        costs.observe(k=1, drafted=1, propose_s=0.01, score_s=0.22)  # the machine got twice as slow
+    assert costs.verify_s[0] == pytest.approx(0.2, rel=1e-3)
+    assert costs.verify_s[2] == pytest.approx(0.24, rel=1e-3)  # never observed, corrected with the rest
+
+
+def test_cost_policy_probes_after_a_run_of_plain_steps():
+    policy = CostK(CostModel(draft_s=1.0, verify_s=[0.1] * 6), k_max=5, probe_every=4, probe_k=2)
+    chosen = [policy.choose(5) for _ in range(8)]
+    assert chosen == [0, 0, 0, 2, 0, 0, 0, 2]
+
+
+def test_advise_on_tiny_models(qwen2_tiny, qwen2_draft_tiny, tmp_path):
+    from verispec import Engine
+
+    engine = Engine.from_pretrained(qwen2_tiny.path, draft=qwen2_draft_tiny.path, dtype="float32", max_len=256,
+                                    progress=False)
+    prompts = [[3, 5, 7, 9, 11, 3, 5, 7], [2, 4, 6, 8, 2, 4, 6, 8]]
+    result = advise(engine, prompts, k_max=4, tokens=12, chat=False, out=str(tmp_path), measure_ks=(1, 2))
+    assert result["read_bandwidth_GBps"] > 0 and result["plain_tokens_per_s"] > 0
+    assert set(result["verify_cost_curve"]) == {1, 2, 3, 4, 5} and result["verify_cost_curve"][1] == 1.0
+    assert {m["method"] for m in result["methods"]} == {"draft", "ngram"}
+    for m in result["methods"]:
+        assert 0.0 <= m["acceptance"] <= 1.0 and 0.0 <= m["hit"] <= 1.0
+        assert m["predicted"][0] == pytest.approx(1.0)
+        assert all(math.isfinite(v) and v > 0 for v in m["predicted"].values())
+    rec = result["recommended"]
+    assert rec["method"] in ("draft", "ngram") and 0 <= rec["k"] <= 4
+    assert result["verdict"].startswith("speculation")
+    assert (tmp_path / "advise.png").stat().st_size > 0 and (tmp_path / "advise.json").is_file()
+    assert "recommended:" in format_advice(result)
