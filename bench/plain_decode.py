@@ -71,7 +71,7 @@ def main() -> None:
           f"{info['cpu']}, {info['threads']} threads, {info['date']}\n")
     print("| figure | value |\n|---|---:|")
     for k, v in rows.items():
-        print(f"| {k} | {v:.2f}{'x' if '/' in k else ''} |")
+        print(f"| {k} | {v:.2f}{'x' if ' / ' in k else ''} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"machine": info, "args": vars(args), "figures": rows}, f, indent=2)

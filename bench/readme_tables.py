@@ -15,11 +15,13 @@ def summary_table(report: dict, methods: list[str] | None = None) -> str:
     out = ["| method | tokens/s | speedup vs plain | mean accepted length | acceptance | same tokens as plain |",
            "|---|---:|---:|---:|---:|---:|"]
     match = {c["method"]: c.get("exact_match") for c in report.get("consistency", [])}
+    def fmt(v: float | None, spec: str) -> str:
+        return "–" if v is None else format(v, spec)
+
     for r in rows:
-        acc = "–" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.0%}"
-        same = match.get(r["method"])
         out.append(f"| {r['method']} | {r['tokens_per_s']:.2f} | {r['speedup']:.2f}x | "
-                   f"{r['mean_accepted_length']:.2f} | {acc} | {'–' if same is None else f'{same:.0%}'} |")
+                   f"{fmt(r['mean_accepted_length'], '.2f')} | {fmt(r['acceptance_rate'], '.0%')} | "
+                   f"{fmt(match.get(r['method']), '.0%')} |")
     return "\n".join(out)
 
 
