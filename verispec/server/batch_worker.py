@@ -17,10 +17,10 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from verispec.config import METHODS, SpecConfig
+from verispec.config import SpecConfig
 from verispec.engine.batch import BatchEngine, RequestHandle
 from verispec.errors import VerispecError
 from verispec.log import logger
@@ -34,6 +34,7 @@ from verispec.server.worker import (
     TokensEvent,
     TokenStream,
     cancelled_result,
+    probe_methods,
 )
 
 if TYPE_CHECKING:
@@ -85,21 +86,7 @@ class BatchWorker:
 
     def _probe_methods(self) -> frozenset[str]:
         """The methods the batch engine can serve (it builds and so validates each one's drafter)."""
-        available, failures = [], {}
-        for method in METHODS:
-            if method == "none":
-                continue
-            try:
-                self._batch._check_spec(replace(self._spec, method=method, k=max(1, self._spec.k)))
-            except Exception as e:  # noqa: BLE001 (any failure only means the method is unavailable)
-                failures[method] = e
-                logger.debug("speculation method %s unavailable in batched mode: %s", method, e)
-            else:
-                available.append(method)
-        if self._spec.enabled and self._spec.method in failures:  # the server's own default must work
-            raise VerispecError(f"cannot speculate with '{self._spec.method}': {failures[self._spec.method]} "
-                                "(--max-batch 1 serves every method)")
-        return frozenset(available)
+        return probe_methods(self._spec, self._batch._check_spec, " (--max-batch 1 serves every method)")
 
     def start(self) -> None:
         """Start the stepping thread (idempotent)."""

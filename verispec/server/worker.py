@@ -183,20 +183,7 @@ class EngineWorker:
         Runs before the thread exists (the engine is not thread-safe), so a request naming an
         unavailable method gets a clean 400 instead of failing mid-stream.
         """
-        available, failures = [], {}
-        for method in METHODS:
-            if method == "none":
-                continue
-            try:
-                self.engine.drafter(replace(self._spec, method=method, k=max(1, self._spec.k)))
-            except Exception as e:  # noqa: BLE001 (any failure only means the method is unavailable)
-                failures[method] = e
-                logger.debug("speculation method %s unavailable: %s", method, e)
-            else:
-                available.append(method)
-        if self._spec.enabled and self._spec.method in failures:  # the server's own default must work
-            raise VerispecError(f"cannot speculate with '{self._spec.method}': {failures[self._spec.method]}")
-        return frozenset(available)
+        return probe_methods(self._spec, self.engine.drafter)
 
     def start(self) -> None:
         """Start the thread (idempotent)."""
@@ -319,3 +306,25 @@ class EngineWorker:
         observer.finished(req, result, ran=True)
         stream.push(FinishedEvent(result))
 
+
+
+def probe_methods(spec: SpecConfig, build: Any, hint: str = "") -> frozenset[str]:
+    """The speculation methods ``build(spec)`` accepts (it raises for the others).
+
+    The server's own default method must be among them: a server that cannot serve its own
+    default refuses to start, with ``hint`` appended to the error.
+    """
+    available, failures = [], {}
+    for method in METHODS:
+        if method == "none":
+            continue
+        try:
+            build(replace(spec, method=method, k=max(1, spec.k)))
+        except Exception as e:  # noqa: BLE001 (any failure only means the method is unavailable)
+            failures[method] = e
+            logger.debug("speculation method %s unavailable: %s", method, e)
+        else:
+            available.append(method)
+    if spec.enabled and spec.method in failures:
+        raise VerispecError(f"cannot speculate with '{spec.method}': {failures[spec.method]}{hint}")
+    return frozenset(available)
