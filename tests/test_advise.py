@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 
 from verispec.advise import advise, format_advice
-from verispec.engine.policy import CostK, CostModel, expected_tokens
+from verispec.engine.policy import Acceptance, CostK, CostModel, expected_tokens
 
 
 def test_expected_tokens_matches_the_geometric_sum():
@@ -37,6 +38,40 @@ def test_cost_policy_probes_after_a_run_of_plain_steps():
     policy = CostK(CostModel(draft_s=1.0, verify_s=[0.1] * 6), k_max=5, probe_every=4, probe_k=2)
     chosen = [policy.choose(5) for _ in range(8)]
     assert chosen == [0, 0, 0, 2, 0, 0, 0, 2]
+
+
+def test_acceptance_estimate_is_unbiased_for_prefix_acceptance():
+    # Greedy verification judges draft tokens until the first rejection: with a = 0.9 and k = 5
+    # accepted / drafted reads about 0.74; the estimate must recover a itself.
+    rng = random.Random(0)
+    est = Acceptance(prior_a=0.5, decay=1.0)
+    drafted = accepted = 0
+    for _ in range(4000):
+        n = 0
+        while n < 5 and rng.random() < 0.9:
+            n += 1
+        est.update(5, n)
+        drafted, accepted = drafted + 5, accepted + n
+    assert accepted / drafted < 0.78
+    assert est.rate == pytest.approx(0.9, abs=0.01)
+    est.update(0, 0)  # a step that drafted nothing teaches nothing
+    assert est.rate == pytest.approx(0.9, abs=0.01)
+
+
+def test_cost_policy_skips_a_draft_prefill_it_cannot_win_back():
+    costs = CostModel(draft_s=0.01, verify_s=[0.1] * 6, catch_up_per_token_s=0.002)
+    policy = CostK(costs, k_max=5, acceptance=Acceptance(prior_a=0.8))
+    # 2000 prompt tokens to read (4 s) against 16 tokens left: stay plain.
+    assert policy.choose(5, remaining=16, catch_up=2000) == 0
+    # The same prompt with 1000 tokens to go pays back; a drafter already caught up always may draft.
+    assert policy.choose(5, remaining=1000, catch_up=2000) > 0
+    assert policy.choose(5, remaining=16, catch_up=0) > 0
+
+
+def test_cost_policy_does_not_probe_into_a_draft_prefill_it_cannot_win_back():
+    costs = CostModel(draft_s=0.01, verify_s=[0.1] * 6, catch_up_per_token_s=0.002)
+    policy = CostK(costs, k_max=5, acceptance=Acceptance(prior_a=0.8), probe_every=2)
+    assert [policy.choose(5, remaining=16, catch_up=2000) for _ in range(6)] == [0] * 6
 
 
 def test_advise_on_tiny_models(qwen2_tiny, qwen2_draft_tiny, tmp_path):

@@ -116,6 +116,17 @@ def test_long_context(tiny):
         assert max_diff(forward(tiny.model, cache, [seq[p]], p)[0], ref[p]) <= ATOL, f"position {p}"
 
 
+def test_attention_paths_agree_at_every_block_size(tiny):
+    # Three attention paths: a few queries (matmul form), a long block from position 0 (SDPA's
+    # causal mode) and a long block on top of a cache (SDPA with a mask, e.g. chunked prefill).
+    seq = tokens_for(tiny.model.args.vocab_size, 160, 12)
+    ref = hf_logits(tiny.hf, seq)
+    cache = tiny.model.new_cache(1, 192)
+    assert max_diff(forward(tiny.model, cache, seq[:100], 0), ref[:100]) <= ATOL
+    assert max_diff(forward(tiny.model, cache, seq[100:150], 100), ref[100:150]) <= ATOL
+    assert max_diff(forward(tiny.model, cache, seq[150:160], 150), ref[150:160]) <= ATOL
+
+
 @pytest.mark.parametrize("new_len", [1, 3, 6])
 def test_truncate_then_rewrite(tiny, new_len):
     vocab = tiny.model.args.vocab_size

@@ -42,6 +42,10 @@ class Drafter(ABC):
     def commit(self, n_valid: int) -> None:  # noqa: B027 (optional hook)
         """The first ``n_valid`` tokens of the sequence are final; anything past them is not."""
 
+    def catch_up_tokens(self, seq: list[int]) -> int:
+        """Tokens of ``seq`` this drafter must still read (a forward of its own) before it can draft."""
+        return 0
+
 
 def draft_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
                 min_confidence: float = 0.0) -> tuple[int | None, torch.Tensor | None]:

@@ -69,6 +69,9 @@ class ModelDrafter(Drafter):
     def commit(self, n_valid: int) -> None:
         self.cache.lengths[0] = min(self.cache.lengths[0], n_valid)
 
+    def catch_up_tokens(self, seq: list[int]) -> int:
+        return max(0, len(seq) - 1 - self.cache.lengths[0])  # the last token is every step's own work
+
 
 def _fit_vocab(logits: torch.Tensor, size: int) -> torch.Tensor:
     if logits.shape[-1] > size:

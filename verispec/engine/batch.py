@@ -31,11 +31,11 @@ from verispec.config import PLAIN, SpecConfig
 from verispec.drafters import make_drafter
 from verispec.drafters.base import Drafter
 from verispec.engine.batch_draft import MAX_LOCKSTEP_FEED, BatchDraftModel
-from verispec.engine.batch_policy import Acceptance, BatchCostModel, BatchPolicy, RowPlan, profile_costs
+from verispec.engine.batch_policy import BatchCostModel, BatchPolicy, RowPlan, profile_costs
 from verispec.engine.batch_step import BatchStats, Row, batched_step
 from verispec.engine.engine import Engine, GenerationResult, Prompt
 from verispec.engine.metrics import Metrics
-from verispec.engine.policy import KPolicy, make_policy
+from verispec.engine.policy import Acceptance, KPolicy, make_policy
 from verispec.engine.scheduler import Scheduler
 from verispec.engine.stopping import append_tokens, final_text, k_cap
 from verispec.errors import VerispecError

@@ -87,26 +87,6 @@ class BatchCostModel:
 
 
 @dataclass
-class Acceptance:
-    """A request's per-token acceptance rate: decayed counts plus a prior (as :class:`CostK`)."""
-
-    prior_a: float = 0.6
-    prior_weight: float = 4.0
-    decay: float = 0.9
-    drafted: float = 0.0
-    accepted: float = 0.0
-
-    @property
-    def rate(self) -> float:
-        return (self.accepted + self.prior_a * self.prior_weight) / (self.drafted + self.prior_weight)
-
-    def update(self, drafted: int, accepted: int) -> None:
-        if drafted:
-            self.drafted = self.decay * self.drafted + drafted
-            self.accepted = self.decay * self.accepted + accepted
-
-
-@dataclass
 class RowPlan:
     """What the policy knows of a row: its cap on k, and either its acceptance (policy-governed) or a fixed k."""
 

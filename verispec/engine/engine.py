@@ -15,7 +15,7 @@ from verispec.drafters import make_drafter
 from verispec.drafters.base import Drafter
 from verispec.engine.compiled import cache_slack, compile_model
 from verispec.engine.metrics import Metrics
-from verispec.engine.policy import CostModel, make_policy
+from verispec.engine.policy import Acceptance, CostK, CostModel, make_policy
 from verispec.engine.step import speculative_step
 from verispec.engine.stopping import append_tokens, final_text, hit_stop, k_cap
 from verispec.errors import VerispecError
@@ -89,6 +89,8 @@ class Engine:
                 compile_model(draft, self.cache_len, warmup=(1, 2))
         self._drafters: dict[str, Drafter] = {}
         self._costs: dict[str, CostModel] = {}
+        # Per drafter, over all requests: where a new request's acceptance estimate starts.
+        self._seen_acceptance: dict[str, Acceptance] = {}
 
     @classmethod
     def from_pretrained(cls, model: str, draft: str | None = None, **kwargs: Any) -> Engine:
@@ -156,11 +158,18 @@ class Engine:
                             self.cache, kv_len=context - 1 + m)
                 times.append(time.perf_counter() - t0)
             verify_s.append(min(times))  # noise only ever adds time
-        draft_s = 0.0
+        draft_s = catch_up_s = 0.0
         if drafter is not None:
             greedy = SamplingParams(max_tokens=k_max + 1)
             drafter.begin(seq)
+            reads = drafter.catch_up_tokens(seq)
             drafter.propose(seq, 1, greedy, None)  # warm-up, and catch up on the context
+            catch_up = []
+            for _ in range(2 if reads else 0):
+                drafter.begin(seq)
+                t0 = time.perf_counter()
+                drafter.propose(seq, 1, greedy, None)
+                catch_up.append(time.perf_counter() - t0)
             per_token = []
             for _ in range(reps):
                 drafter.commit(context - 1)
@@ -168,10 +177,12 @@ class Engine:
                 n = len(drafter.propose(seq, 4, greedy, None).tokens)
                 per_token.append((time.perf_counter() - t0) / max(n, 1))
             draft_s = min(per_token)
+            if reads:
+                catch_up_s = max(0.0, min(catch_up) - draft_s) / reads
         self.cache.reset(0)
-        logger.info("profiled costs: draft %.1f ms/token, verify %s ms", draft_s * 1e3,
-                    [round(t * 1e3, 1) for t in verify_s])
-        return CostModel(draft_s, verify_s)
+        logger.info("profiled costs: draft %.1f ms/token, catch-up %.2f ms/token, verify %s ms", draft_s * 1e3,
+                    catch_up_s * 1e3, [round(t * 1e3, 1) for t in verify_s])
+        return CostModel(draft_s, verify_s, catch_up_s)
 
     # -- tokenization ---------------------------------------------------------------------
 
@@ -242,6 +253,10 @@ class Engine:
                       on_tokens: Callable[[list[int]], bool | None] | None) -> GenerationResult:
         # Before the prefill and the clock: a first use of the cost policy profiles on this cache.
         policy = make_policy(spec, self.cost_model(spec, drafter) if spec.k_policy == "cost" and drafter else None)
+        seen = None
+        if isinstance(policy, CostK):  # start from what this drafter achieved on earlier requests
+            seen = self._seen_acceptance.setdefault(repr(replace(spec, k=0)), Acceptance(decay=0.98))
+            policy.acceptance = Acceptance(prior_a=seen.rate)
         m = Metrics(requests=1, prompt_tokens=len(prompt))
         t0 = time.perf_counter()
         # On the target's device: verification samples there (the draft keeps its own if elsewhere).
@@ -265,11 +280,14 @@ class Engine:
                 finish = "length"
                 break
             cap = k_cap(spec.k, params, len(out), room)
-            k = policy.choose(cap) if drafter is not None else 0
+            k = policy.choose(cap, min(params.max_tokens - len(out), room), drafter.catch_up_tokens(seq)) \
+                if drafter is not None else 0
             drafted, accepted, propose_s, score_s = m.drafted, m.accepted, m.stage_s["propose"], m.stage_s["score"]
             new = speculative_step(self.target, self.cache, seq, drafter, k, params, generator, m)
             policy.update(k, m.drafted - drafted, m.accepted - accepted, m.stage_s["propose"] - propose_s,
                           m.stage_s["score"] - score_s)
+            if seen is not None:
+                seen.update(m.drafted - drafted, m.accepted - accepted)
             if not out:
                 m.ttft_s = time.perf_counter() - t0
             n_before = len(out)

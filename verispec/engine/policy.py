@@ -28,7 +28,12 @@ class CostModel:
 
     draft_s: float
     verify_s: list[float]
+    catch_up_per_token_s: float = 0.0  # the drafter reading context it has not seen (a draft prefill)
     smoothing: float = 0.1  # weight of a new observation in the running averages
+
+    def catch_up_s(self, tokens: int) -> float:
+        """Predicted seconds for the drafter to read ``tokens`` tokens of context before drafting."""
+        return tokens * self.catch_up_per_token_s
 
     def step_s(self, k: int) -> float:
         """Predicted seconds of one step drafting k tokens (k + 1 <= len(verify_s))."""
@@ -67,8 +72,12 @@ class KPolicy(ABC):
     """Chooses k before each step and learns from what the step accepted."""
 
     @abstractmethod
-    def choose(self, k_cap: int) -> int:
-        """k for the next step, at most ``k_cap``."""
+    def choose(self, k_cap: int, remaining: int | None = None, catch_up: int = 0) -> int:
+        """k for the next step, at most ``k_cap``.
+
+        ``remaining`` is how many tokens the request may still generate; ``catch_up`` how many
+        tokens of context the drafter has yet to read before it can draft (policies may ignore both).
+        """
 
     def update(self, k: int, drafted: int, accepted: int, propose_s: float, score_s: float) -> None:  # noqa: B027
         """What the last step drafted, accepted and cost."""
@@ -78,7 +87,7 @@ class KPolicy(ABC):
 class FixedK(KPolicy):
     k: int
 
-    def choose(self, k_cap: int) -> int:
+    def choose(self, k_cap: int, remaining: int | None = None, catch_up: int = 0) -> int:
         return min(self.k, k_cap)
 
 
@@ -90,7 +99,7 @@ class HeuristicK(KPolicy):
     k_max: int
     k_min: int = 1
 
-    def choose(self, k_cap: int) -> int:
+    def choose(self, k_cap: int, remaining: int | None = None, catch_up: int = 0) -> int:
         return min(self.k, k_cap)
 
     def update(self, k: int, drafted: int, accepted: int, propose_s: float, score_s: float) -> None:
@@ -100,53 +109,93 @@ class HeuristicK(KPolicy):
 
 
 @dataclass
+class Acceptance:
+    """A drafter's per-token acceptance rate a, estimated online with a prior.
+
+    A step that drafted d tokens and had the first n accepted shows n accepted tokens and, when
+    n < d, one rejection; the tokens after a rejection are never judged. Counting them as
+    failures (accepted / drafted) would read a = 0.9 at k = 5 as 0.74 and make a policy
+    under-draft exactly where drafting pays most, so the estimate is the geometric maximum
+    likelihood: accepted / (accepted + rejections). The prior is worth ``prior_weight`` judged
+    tokens; ``decay`` per step lets recent behaviour outweigh the start of a request.
+    """
+
+    prior_a: float = 0.6
+    prior_weight: float = 4.0
+    decay: float = 0.9
+    accepted: float = 0.0
+    rejected: float = 0.0
+
+    @property
+    def rate(self) -> float:
+        return (self.accepted + self.prior_a * self.prior_weight) / (
+            self.accepted + self.rejected + self.prior_weight)
+
+    def update(self, drafted: int, accepted: int) -> None:
+        if drafted:
+            self.accepted = self.decay * self.accepted + accepted
+            self.rejected = self.decay * self.rejected + (accepted < drafted)
+
+
+@dataclass
 class CostK(KPolicy):
     """Pick the k that maximises predicted tokens/s; k = 0 when speculation does not pay.
 
-    Acceptance is estimated with a prior worth ``prior_weight`` draft tokens, so the first
-    steps neither trust one lucky step nor give up after one bad one. While k = 0 nothing is
-    learned about acceptance, so every ``probe_every`` plain steps one small probe step runs.
+    ``acceptance`` starts from a prior (the engine passes what this drafter achieved on earlier
+    requests), so the first steps neither trust one lucky step nor give up after one bad one.
+    While k = 0 nothing is learned about acceptance, so every ``probe_every`` plain steps one
+    small probe step runs.
+
+    A model drafter that has not yet read the prompt must first catch up on it (a prefill of
+    the draft): the choice weighs that one-off cost against what speculation would save over
+    the tokens the request may still generate, so a long prompt with a short answer (RAG) stays
+    plain rather than paying for a draft prefill it cannot win back.
     """
 
     costs: CostModel
     k_max: int
-    prior_a: float = 0.6
-    prior_weight: float = 4.0
-    decay: float = 0.9  # per step: recent behaviour matters more than the prompt's start
+    acceptance: Acceptance = field(default_factory=Acceptance)
     probe_every: int = 8
     probe_k: int = 2
-    _drafted: float = 0.0
-    _accepted: float = 0.0
     _plain_streak: int = 0
     chosen: list[int] = field(default_factory=list)
 
-    @property
-    def acceptance(self) -> float:
-        return (self._accepted + self.prior_a * self.prior_weight) / (self._drafted + self.prior_weight)
-
-    def choose(self, k_cap: int) -> int:
-        k = self.costs.best_k(self.acceptance, min(self.k_max, k_cap))
+    def choose(self, k_cap: int, remaining: int | None = None, catch_up: int = 0) -> int:
+        """``remaining``: tokens the request may still produce; ``catch_up``: tokens the drafter must read first."""
+        a = self.acceptance.rate
+        k = self.costs.best_k(a, min(self.k_max, k_cap))
+        if k > 0 and not self._worth_catching_up(a, k, remaining, catch_up):
+            k = 0
         if k == 0:
             self._plain_streak += 1
             if self._plain_streak >= self.probe_every:
                 self._plain_streak = 0
-                k = min(self.probe_k, k_cap)
+                probe = min(self.probe_k, k_cap)
+                if probe and self._worth_catching_up(a, probe, remaining, catch_up):
+                    k = probe
         else:
             self._plain_streak = 0
         self.chosen.append(k)
         return k
 
+    def _worth_catching_up(self, a: float, k: int, remaining: int | None, catch_up: int) -> bool:
+        if catch_up <= 0 or remaining is None:
+            return True
+        saved_per_token = self.costs.verify_s[0] - 1.0 / self.costs.speed(a, k)
+        return saved_per_token * remaining > self.costs.catch_up_s(catch_up)
+
     def update(self, k: int, drafted: int, accepted: int, propose_s: float, score_s: float) -> None:
-        if drafted:
-            self._drafted = self.decay * self._drafted + drafted
-            self._accepted = self.decay * self._accepted + accepted
+        self.acceptance.update(drafted, accepted)
         self.costs.observe(k, drafted, propose_s, score_s)
 
 
-def make_policy(spec: SpecConfig, costs: CostModel | None) -> KPolicy:
-    """The policy ``spec.k_policy`` names; ``spec.k`` is the fixed k or the upper bound."""
+def make_policy(spec: SpecConfig, costs: CostModel | None, prior_a: float | None = None) -> KPolicy:
+    """The policy ``spec.k_policy`` names; ``spec.k`` is the fixed k or the upper bound.
+
+    ``prior_a`` seeds the cost policy's acceptance estimate (e.g. from earlier requests).
+    """
     if spec.k_policy == "heuristic":
         return HeuristicK(k=min(spec.k, 4), k_max=spec.k)
     if spec.k_policy == "cost" and costs is not None:
-        return CostK(costs, k_max=spec.k)
+        return CostK(costs, k_max=spec.k, acceptance=Acceptance() if prior_a is None else Acceptance(prior_a))
     return FixedK(spec.k)  # "fixed" and "confidence" (the drafter stops early by itself)

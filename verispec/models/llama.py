@@ -49,6 +49,27 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
+# Up to this many new tokens per row, attention runs as two batched matmuls (decode and
+# verification); longer blocks (prefill) go to scaled_dot_product_attention. On a CPU the fused
+# kernel is slow for a handful of queries (one query over 2000 keys: ~8x the matmul form).
+SMALL_M = 32
+
+
+def small_m_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask_bias: torch.Tensor) -> torch.Tensor:
+    """Grouped-query attention of a few queries: ``q`` [B, H, m, D], ``k``/``v`` [B, KV, L, D].
+
+    The query heads sharing a KV head are stacked along the query axis, so K and V are read once
+    per KV head and never repeated. ``mask_bias`` [B, 1, m, L] is 0 where attending is allowed
+    and -inf elsewhere; softmax runs in fp32.
+    """
+    b, h, m, d = q.shape
+    kv = k.shape[1]
+    scores = torch.matmul(q.reshape(b, kv, h // kv * m, d), k.transpose(-1, -2)).float()
+    scores = scores.view(b, kv, h // kv, m, -1).mul_(d ** -0.5).add_(mask_bias[:, :, None])
+    probs = torch.softmax(scores, dim=-1).to(v.dtype).view(b, kv, h // kv * m, -1)
+    return torch.matmul(probs, v).view(b, h, m, d)
+
+
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs, wqkv: nn.Module, wo: nn.Module) -> None:
         super().__init__()
@@ -56,17 +77,23 @@ class Attention(nn.Module):
         self.wqkv, self.wo = wqkv, wo
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, write_idx: torch.Tensor, kv_len: int, mask: torch.Tensor) -> torch.Tensor:
+                v_cache: torch.Tensor, write: tuple[torch.Tensor, torch.Tensor], kv_len: int,
+                mask: torch.Tensor) -> torch.Tensor:
         b, m, _ = x.shape
         hd, nh, nkv = self.head_dim, self.n_heads, self.n_kv_heads
         q, k, v = self.wqkv(x).split([nh * hd, nkv * hd, nkv * hd], dim=-1)
         q = apply_rope(q.view(b, m, nh, hd).transpose(1, 2), cos, sin)
         k = apply_rope(k.view(b, m, nkv, hd).transpose(1, 2), cos, sin)
-        v = v.view(b, m, nkv, hd).transpose(1, 2)
-        k_cache.scatter_(2, write_idx, k)
-        v_cache.scatter_(2, write_idx, v)
-        out = F.scaled_dot_product_attention(q, k_cache[:, :, :kv_len], v_cache[:, :, :kv_len],
-                                             attn_mask=mask, enable_gqa=nkv != nh)
+        # Advanced indexing puts the (row, position) axes first: [B, m, KV, D] on both sides.
+        k_cache[write[0], :, write[1]] = k.transpose(1, 2)
+        v_cache[write[0], :, write[1]] = v.view(b, m, nkv, hd)
+        keys, values = k_cache[:, :, :kv_len], v_cache[:, :, :kv_len]
+        if m <= SMALL_M:
+            out = small_m_attention(q, keys, values, mask)
+        elif mask.dtype == torch.bool:
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=nkv != nh)
+        else:  # an empty mask: a prefill from position 0, causal in SDPA's own (faster) form
+            out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, enable_gqa=nkv != nh)
         return self.wo(out.transpose(1, 2).reshape(b, m, nh * hd))
 
 
@@ -129,15 +156,29 @@ class Transformer(nn.Module):
         cos = self.rope_cos[positions].unsqueeze(1)
         sin = self.rope_sin[positions].unsqueeze(1)
         a = self.args
-        write_idx = positions[:, None, :, None].expand(b, a.n_kv_heads, m, a.head_dim)
-        # Causal by position; this also hides stale entries left past a row's length.
-        key_pos = torch.arange(kv_len, device=tokens.device)
-        mask = key_pos[None, None, None, :] <= positions[:, None, :, None]
+        write = (torch.arange(b, device=tokens.device)[:, None].expand(b, m), positions)
+        mask = self._mask(positions, kv_len)
         for i, layer in enumerate(self.layers[: n_layers or a.n_layers]):
-            x = layer(x, cos, sin, cache.k[i, rows], cache.v[i, rows], write_idx, kv_len, mask)
+            x = layer(x, cos, sin, cache.k[i, rows], cache.v[i, rows], write, kv_len, mask)
         if last_only:
             x = x[:, -1:]
         return self.lm_head(self.norm(x)).float()
+
+    @staticmethod
+    def _mask(positions: torch.Tensor, kv_len: int) -> torch.Tensor:
+        """Causal by position, which also hides stale entries left past a row's length.
+
+        A few queries get an additive fp32 bias [B, 1, m, L] (see :func:`small_m_attention`);
+        longer blocks a boolean mask for SDPA, or an empty tensor when one row fills positions
+        0..m-1 from scratch, where SDPA's own causal mode is exact and about twice as fast.
+        """
+        b, m = positions.shape
+        if m > SMALL_M and b == 1 and kv_len == m:
+            return torch.empty(0, device=positions.device)
+        allowed = torch.arange(kv_len, device=positions.device)[None, None, None, :] <= positions[:, None, :, None]
+        if m > SMALL_M:
+            return allowed
+        return torch.zeros(allowed.shape, device=positions.device).masked_fill_(~allowed, float("-inf"))
 
     @classmethod
     def from_state_dict(cls, args: ModelArgs, get: Callable[[str], torch.Tensor | None], dtype: torch.dtype,
