@@ -5,10 +5,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-docs/benchmarks/$(date +%F)}
-STEPS=${STEPS:-plain humaneval full advise two_process stability concurrency}
+STEPS=${STEPS:-plain humaneval full advise two_process stability concurrency verify_cost kernels int4 compile}
 V=.venv/bin/verispec
 PY=.venv/bin/python
 PAIR=(--model qwen2.5-coder-1.5b-instruct --draft qwen2.5-coder-0.5b-instruct --dtype bfloat16 --draft-weights int8)
+INT4_PAIR=(--model qwen2.5-coder-1.5b-instruct --draft qwen2.5-coder-0.5b-instruct --dtype bfloat16 --weights int4
+           --draft-weights int4)
+# The retrieval drafter's datastore: this Python's standard library (code), built once outside the repo.
+STORE=${VERISPEC_HOME:-$HOME/.cache/verispec}/datastores/python-stdlib
 mkdir -p "$OUT"
 for step in $STEPS; do
   echo "== $step $(date +%T)"
@@ -33,6 +37,19 @@ for step in $STEPS; do
     stability)    # issue 6: odd inputs, plain vs speculative
       $V bench "${PAIR[@]}" --methods draft,ngram --dataset humaneval --n 1 --max-tokens 16 --max-len 1024 \
         --stability --no-progress --out "$OUT/stability" ;;
+    verify_cost)  # issue 10: the whole target forward's t(M)/t(1) per weight format, with a plot
+      mkdir -p "$OUT/verify_cost"; $PY bench/verify_cost.py --formats dense,int8,int4 --reps 5 --decode-tokens 32 --out "$OUT/verify_cost" \
+        | tee "$OUT/verify_cost/verify_cost.md" ;;
+    kernels)      # issue 10: per-projection t(M), stock PyTorch kernels vs verispec's small-M kernels
+      $PY bench/kernel_bench.py | tee "$OUT/kernels.md" ;;
+    int4)         # issues 4, 5, 10: int4 pair, every drafter, the cost policy, llama.cpp as the peer
+      test -f "$STORE/meta.json" || $V datastore build "$($PY -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')"/*.py \
+        -o "$STORE" --model qwen2.5-coder-1.5b-instruct
+      $V bench "${INT4_PAIR[@]}" --methods none,draft,draft:k=3,draft:policy=cost,ngram,hybrid,retrieval:datastore="$STORE",layerskip \
+        --dataset spec_bench,humaneval --per-category 3 --n 10 --seed 0 --max-tokens 64 -k 5 --peers llamacpp \
+        --no-progress --out "$OUT/int4" ;;
+    compile)      # issue 5: eager vs --compile side by side
+      $PY bench/compile_vs_eager.py --json "$OUT/compile_vs_eager.json" | tee "$OUT/compile_vs_eager.md" ;;
     *) echo "unknown step $step" >&2; exit 2 ;;
   esac
 done

@@ -83,16 +83,17 @@ def test_shared_cache_invariant(engine, deep):
     cache.lengths[0] = len(seq) - 1
     for _ in range(6):
         start = len(seq) - 1
-        k_before, v_before = cache.k.clone(), cache.v.clone()
+        k_before, v_before = torch.stack(cache.k), torch.stack(cache.v)
         proposal = drafter.propose(seq, k, GREEDY, None)
         assert cache.lengths[0] == start
+        ck, cv = torch.stack(cache.k), torch.stack(cache.v)
         assert proposal.tokens == shallow_greedy(deep, seq, layers, k)
         # Verified positions are untouched at every layer; layers >= L are untouched everywhere.
-        assert torch.equal(cache.k[:, :, :, :start], k_before[:, :, :, :start])
-        assert torch.equal(cache.v[:, :, :, :start], v_before[:, :, :, :start])
-        assert torch.equal(cache.k[layers:], k_before[layers:]) and torch.equal(cache.v[layers:], v_before[layers:])
+        assert torch.equal(ck[:, :, :, :start], k_before[:, :, :, :start])
+        assert torch.equal(cv[:, :, :, :start], v_before[:, :, :, :start])
+        assert torch.equal(ck[layers:], k_before[layers:]) and torch.equal(cv[layers:], v_before[layers:])
         # The drafts' shallow K/V went past the valid length, where verification overwrites them.
-        assert not torch.equal(cache.k[:layers, :, :, start:start + k], k_before[:layers, :, :, start:start + k])
+        assert not torch.equal(ck[:layers, :, :, start:start + k], k_before[:layers, :, :, start:start + k])
 
         new = speculative_step(deep, cache, seq, drafter, k, GREEDY, None, Metrics())
         seq += new
@@ -100,8 +101,10 @@ def test_shared_cache_invariant(engine, deep):
         ref = deep.new_cache(1, cache.max_len)
         deep(torch.tensor([seq[:-1]]), torch.arange(len(seq) - 1).unsqueeze(0), ref)
         n = len(seq) - 1
-        torch.testing.assert_close(cache.k[:, :, :, :n], ref.k[:, :, :, :n], rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(cache.v[:, :, :, :n], ref.v[:, :, :, :n], rtol=1e-5, atol=1e-5)
+        ck, rk = torch.stack(cache.k), torch.stack(ref.k)
+        torch.testing.assert_close(ck[:, :, :, :n], rk[:, :, :, :n], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(torch.stack(cache.v)[:, :, :, :n], torch.stack(ref.v)[:, :, :, :n], rtol=1e-5,
+                                   atol=1e-5)
 
 
 def test_propose_refuses_a_cache_out_of_step(engine, deep):

@@ -64,7 +64,7 @@ def _logit_checks(rank: int, folder: str) -> dict:
     vocab = model.args.vocab_size
     with torch.inference_mode():
         rc, c = ref.new_cache(1, 64), model.new_cache(1, 64)
-        out["cache_heads"] = c.k.shape[2]
+        out["cache_heads"] = c.k[0].shape[1]
         diffs = []
 
         def both(tokens: list[int], start: int, **kw) -> None:
@@ -259,7 +259,7 @@ def test_shard_shapes_without_a_group(qwen2_tiny):
         assert torch.equal(mlp.w_gate_up.weight, torch.cat([g.chunk(2)[rank], u.chunk(2)[rank]]))
         assert torch.equal(mlp.w_down.linear.weight, full.layers[0].mlp.w_down.weight.chunk(2, dim=1)[rank])
         assert (m.args.n_heads, m.args.n_kv_heads, m.args.intermediate_size) == (2, 1, a.intermediate_size // 2)
-        assert m.new_cache(1, 8).k.shape[2] == 1
+        assert m.new_cache(1, 8).k[0].shape[1] == 1
 
 
 def test_tp_without_torchrun_explains(monkeypatch, qwen2_tiny):

@@ -52,7 +52,7 @@ class CompiledForward:
             positions = torch.cat([positions, positions[:, -1:] + torch.arange(1, pad + 1, device=positions.device)],
                                   dim=1)
         try:
-            out = self.compiled(tokens, positions, cache, cache.k.shape[3], rows, False, n_layers)
+            out = self.compiled(tokens, positions, cache, cache.max_len, rows, False, n_layers)
         except Exception as e:  # any backend failure: fall back for good, once
             logger.warning("torch.compile failed (%s: %s); running eagerly", type(e).__name__, str(e)[:200])
             self.failed = True

@@ -6,7 +6,11 @@ import torch
 
 
 class KVCache:
-    """Keys and values of every layer, ``[layers, batch, kv_heads, max_len, head_dim]``.
+    """Keys and values: per layer, one tensor ``[batch, kv_heads, max_len, head_dim]`` each.
+
+    One tensor per layer rather than one for all: a compiled forward then writes into its
+    inputs in place; writing into a view of one big input made torch.compile copy the whole
+    cache per write (20x slower steps).
 
     Rows are independent sequences. A row's K/V for position ``p`` lives at index ``p``;
     ``lengths[row]`` says how many positions are valid. Attention masks by position
@@ -16,9 +20,9 @@ class KVCache:
 
     def __init__(self, n_layers: int, batch: int, n_kv_heads: int, max_len: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
-        shape = (n_layers, batch, n_kv_heads, max_len, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        shape = (batch, n_kv_heads, max_len, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.max_len = max_len
         self.lengths = [0] * batch
 
@@ -36,4 +40,4 @@ class KVCache:
         self.lengths[row] = 0
 
     def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
+        return sum(t.nbytes for t in self.k + self.v)
