@@ -4,9 +4,9 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 MODELS := qwen2.5-coder-1.5b-instruct qwen2.5-coder-0.5b-instruct smollm2-135m-instruct
 
-.PHONY: setup models chromium test lint demo bench clean
+.PHONY: setup kernels models chromium test lint demo bench clean
 
-setup: $(VENV)/.installed
+setup: $(VENV)/.installed kernels
 
 # torch is pinned and installed first: 2.13.0 comes from a local CPU wheel; a looser spec pulls a CUDA build.
 $(VENV)/.installed: pyproject.toml
@@ -15,6 +15,11 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[test,bench]'
 	touch $@
+
+# The int4/int8 CPU kernels (C++, AVX-512 BF16) compile once into $VERISPEC_HOME/kernels; this
+# prints what the quantized layers will use. A failed build only means PyTorch's stock kernels.
+kernels: $(VENV)/.installed
+	-$(PY) -m verispec.kernels
 
 models: setup
 	$(VENV)/bin/verispec models install $(MODELS)

@@ -6,7 +6,11 @@ decoding speed too. Prints a table and writes ``verify_cost.json`` and ``verify_
 into ``--out``. Usage:
 
     python bench/verify_cost.py [--model qwen2.5-coder-1.5b-instruct] [--formats dense,int8,int4]
-                                [--dtype bfloat16] [--reps 3] [--decode-tokens 0] [--threads 0] --out DIR
+                                [--dtype bfloat16] [--reps 3] [--decode-tokens 0] [--threads 0]
+                                [--kernels auto] --out DIR
+
+``--kernels stock`` times PyTorch's own int4/int8 kernels instead of verispec's (it sets
+``VERISPEC_KERNELS=stock`` for the run; see docs/quantization.md).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -72,15 +77,19 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--decode-tokens", type=int, default=0, help="also time plain greedy decoding of this many tokens")
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    ap.add_argument("--kernels", choices=("auto", "stock"), default="auto", help="int4/int8 matmul kernels")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
+    if args.kernels == "stock":
+        os.environ["VERISPEC_KERNELS"] = "stock"  # read when the first quantized layer is built
     if args.threads:
         torch.set_num_threads(args.threads)  # on a shared CPU, fewer threads than cores time far steadier
 
     rows = [measure(args.model, f, args.dtype, args.m_max, args.reps, args.decode_tokens)
             for f in args.formats.split(",")]
     info = machine()
-    title = f"{args.model} ({args.dtype}) · {info['cpu']}, {info['threads']} threads · {info['date']}"
+    title = (f"{args.model} ({args.dtype}, {args.kernels} kernels) · {info['cpu']}, {info['threads']} threads"
+             f" · {info['date']}")
     print(f"\nverify cost t(M)/t(1), {title}\n")
     ms = range(1, args.m_max + 1)
     extra = "plain tok/s" if args.decode_tokens else None

@@ -74,6 +74,17 @@ def test_cost_policy_does_not_probe_into_a_draft_prefill_it_cannot_win_back():
     assert [policy.choose(5, remaining=16, catch_up=2000) for _ in range(6)] == [0] * 6
 
 
+def test_a_draft_prefill_does_not_count_as_draft_cost():
+    costs = CostModel(draft_s=0.01, verify_s=[0.1] * 6, catch_up_per_token_s=0.001)
+    policy = CostK(costs, k_max=5, acceptance=Acceptance(prior_a=0.9))
+    policy.choose(5, remaining=1000, catch_up=500)  # a probe that first reads 500 tokens of context
+    policy.update(2, 2, 2, propose_s=0.52, score_s=0.1)
+    assert costs.draft_s == pytest.approx(0.01)
+    policy.choose(5, remaining=1000, catch_up=1)  # an ordinary step: its timing counts
+    policy.update(2, 2, 2, propose_s=0.04, score_s=0.1)
+    assert costs.draft_s == pytest.approx(0.011)
+
+
 def test_advise_on_tiny_models(qwen2_tiny, qwen2_draft_tiny, tmp_path):
     from verispec import Engine
 

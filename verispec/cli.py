@@ -26,6 +26,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-device", help="the draft model's device (default: --device)")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the forwards with static shapes (CUDA graphs on GPUs); eager if it fails")
+    p.add_argument("--kernels", default="auto", choices=("auto", "stock"),
+                   help="int4/int8 matmul kernels: auto (verispec's small-M kernels on CPUs with AVX-512 BF16, "
+                   "else PyTorch's) or stock (always PyTorch's)")
     p.add_argument("--tp", type=int, default=int(os.environ.get("WORLD_SIZE", 1)),
                    help="tensor-parallel ranks for the target; launch with torchrun --nproc-per-node N "
                    "(default: WORLD_SIZE, else 1)")
@@ -35,7 +38,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
     """EngineConfig fields from the engine arguments (besides model and draft)."""
     return dict(dtype=args.dtype, weights=args.weights, draft_weights=args.draft_weights, max_len=args.max_len,
                 device=args.device, target_device=args.target_device, draft_device=args.draft_device,
-                compile=args.compile)
+                compile=args.compile, kernels=args.kernels)
 
 
 def _no_tp(args: argparse.Namespace) -> None:

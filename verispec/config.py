@@ -57,6 +57,7 @@ class EngineConfig:
     target_device: str | None = None  # None: device
     draft_device: str | None = None  # None: device
     tp: int = 1  # tensor-parallel ranks for the target (see verispec.parallel.tp; launched with torchrun)
+    kernels: str = "auto"  # int4/int8 matmuls: "auto" (verispec's small-M kernels where the CPU runs them) or "stock"
 
     def __post_init__(self) -> None:
         if self.target_device is None:
@@ -76,6 +77,10 @@ class EngineConfig:
         for w in (self.weights, self.draft_weights):
             if w not in WEIGHT_FORMATS:
                 raise VerispecError(f"unknown weight format '{w}' (choose from {', '.join(WEIGHT_FORMATS)})")
+        from verispec.kernels import KERNEL_CHOICES
+
+        if self.kernels not in KERNEL_CHOICES:
+            raise VerispecError(f"unknown kernels '{self.kernels}' (choose from {', '.join(KERNEL_CHOICES)})")
         if self.max_len < 2:
             raise VerispecError("max_len must be at least 2")
 

@@ -106,7 +106,8 @@ class Engine:
         if dsrc is not None:  # refuse a mismatched pair before spending time on weights
             check_tokenizers_match(tokenizer, draft_tok, src.args.vocab_size, dsrc.args.vocab_size)
         dtype = resolve_dtype(config.dtype, config.target_device)
-        target = build_model(src, dtype, config.weights, config.progress).to(config.target_device)
+        target = build_model(src, dtype, config.weights, config.progress, kernels=config.kernels)
+        target = target.to(config.target_device)
         if config.tp > 1:  # rank 0 of a torchrun launch: shard, and mirror every target forward on the other ranks
             from verispec.parallel.tp import lead
 
@@ -114,7 +115,8 @@ class Engine:
         draft_model = None
         if dsrc is not None:
             ddtype = resolve_dtype(config.draft_dtype or config.dtype, config.draft_device)
-            draft_model = build_model(dsrc, ddtype, config.draft_weights, config.progress).to(config.draft_device)
+            draft_model = build_model(dsrc, ddtype, config.draft_weights, config.progress,
+                                      kernels=config.kernels).to(config.draft_device)
         logger.info("loaded %s (%s)%s", src.path.name, dtype, f" with draft {draft}" if draft else "")
         return cls(config, target, tokenizer, src.eos_token_ids, draft_model, draft_tok)
 

@@ -158,10 +158,12 @@ class CostK(KPolicy):
     probe_every: int = 8
     probe_k: int = 2
     _plain_streak: int = 0
+    _catch_up: int = 0
     chosen: list[int] = field(default_factory=list)
 
     def choose(self, k_cap: int, remaining: int | None = None, catch_up: int = 0) -> int:
         """``remaining``: tokens the request may still produce; ``catch_up``: tokens the drafter must read first."""
+        self._catch_up = catch_up
         a = self.acceptance.rate
         k = self.costs.best_k(a, min(self.k_max, k_cap))
         if k > 0 and not self._worth_catching_up(a, k, remaining, catch_up):
@@ -186,7 +188,10 @@ class CostK(KPolicy):
 
     def update(self, k: int, drafted: int, accepted: int, propose_s: float, score_s: float) -> None:
         self.acceptance.update(drafted, accepted)
-        self.costs.observe(k, drafted, propose_s, score_s)
+        # A step that began with the drafter reading a long context (a probe after plain steps)
+        # says nothing about the cost of one draft token: counting it would make drafting look
+        # many times dearer than it is and keep the policy plain for good.
+        self.costs.observe(k, 0 if self._catch_up > 1 else drafted, propose_s, score_s)
 
 
 def make_policy(spec: SpecConfig, costs: CostModel | None, prior_a: float | None = None) -> KPolicy:

@@ -7,6 +7,10 @@ PyTorch's own weight-only kernel, which reads half the bytes of bf16; ``int4`` s
 codes in groups of 32 input channels with a bf16 scale and zero point per group and runs
 PyTorch's tinygemm-style kernel (``_weight_int4pack_mm_for_cpu``; ``_weight_int4pack_mm`` on
 CUDA), a quarter of the bytes of bf16 plus 1/8 byte per weight of scales. See docs/quantization.md.
+
+On CPUs with AVX-512 BF16 both quantized layers run verispec's own kernels instead
+(:mod:`verispec.kernels`: weights repacked at load into the kernel's layout, cost nearly flat
+over M = 1..8 rows); ``kernels="stock"`` keeps PyTorch's.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from verispec import kernels as fast_kernels
 from verispec.errors import VerispecError
 from verispec.log import logger
 
@@ -37,10 +42,21 @@ class DenseLinear(nn.Module):
 
 @dataclass
 class Int8Weight:
-    """Symmetric int8 per output channel: ``w = qweight * scale[:, None]``. Rows concatenate freely."""
+    """Symmetric int8 per output channel: ``w = qweight * scale[:, None]``. Rows concatenate freely.
 
-    qweight: torch.Tensor  # int8 [N, K]
+    ``layout`` is ``"rows"`` (qweight int8 [N, K], PyTorch's kernel) or ``"vs16"`` (the layout of
+    :mod:`verispec.kernels`: [ceil(N/16), K/2, 16, 2], rows padded with zeros to a multiple of 16).
+    """
+
+    qweight: torch.Tensor  # int8 [N, K] ("rows") or [ceil(N/16), K/2, 16, 2] ("vs16")
     scale: torch.Tensor  # [N], compute dtype
+    layout: str = "rows"
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        if self.layout == "vs16":
+            return self.scale.shape[0], self.qweight.shape[1] * 2
+        return tuple(self.qweight.shape)
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, dtype: torch.dtype) -> Int8Weight:
@@ -48,32 +64,81 @@ class Int8Weight:
         scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
         return cls(torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale.to(dtype))
 
+    def rows(self) -> torch.Tensor:
+        """The int8 codes [N, K] whatever the layout."""
+        if self.layout == "rows":
+            return self.qweight
+        n, k = self.shape
+        return self.qweight.permute(0, 2, 1, 3).reshape(-1, k)[:n].contiguous()
+
+    def to_layout(self, layout: str) -> Int8Weight:
+        if layout == self.layout:
+            return self
+        if layout == "rows":
+            return Int8Weight(self.rows(), self.scale)
+        if layout != "vs16":
+            raise VerispecError(f"unknown int8 layout '{layout}'")
+        n, k = self.shape
+        if fast_kernels.available():
+            return Int8Weight(fast_kernels.int8_pack(self.qweight), self.scale, "vs16")
+        padded = torch.zeros(-(-n // 16) * 16, k, dtype=torch.int8)
+        padded[:n] = self.qweight
+        return Int8Weight(padded.view(-1, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous(), self.scale, "vs16")
+
     @staticmethod
     def cat(parts: list[Int8Weight]) -> Int8Weight:
-        return Int8Weight(torch.cat([p.qweight for p in parts]), torch.cat([p.scale for p in parts]))
+        scale = torch.cat([p.scale for p in parts])
+        layout = parts[0].layout
+        if layout == "vs16" and all(p.layout == "vs16" for p in parts) and all(
+                p.shape[0] % 16 == 0 for p in parts[:-1]):
+            return Int8Weight(torch.cat([p.qweight for p in parts]), scale, "vs16")  # whole blocks follow
+        return Int8Weight(torch.cat([p.rows() for p in parts]), scale).to_layout(layout)
 
     def dequantize(self) -> torch.Tensor:
-        return self.qweight.float() * self.scale.float()[:, None]
+        return self.rows().float() * self.scale.float()[:, None]
 
 
 class Int8Linear(nn.Module):
-    """Weight-only int8, symmetric, per output channel."""
+    """Weight-only int8, symmetric, per output channel.
 
-    def __init__(self, weight: torch.Tensor | Int8Weight, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+    With the fast kernels (``kernels="auto"`` on a CPU that runs them) ``qweight`` holds the
+    kernel's layout (``vs16``, see :class:`Int8Weight`), else PyTorch's [N, K].
+    """
+
+    def __init__(self, weight: torch.Tensor | Int8Weight, bias: torch.Tensor | None, dtype: torch.dtype,
+                 kernels: str = "auto") -> None:
         super().__init__()
         q = weight if isinstance(weight, Int8Weight) else Int8Weight.quantize(weight, dtype)
+        self.out_features, self.in_features = q.shape
+        self.fast = (fast_kernels.use_fast(kernels) and q.qweight.device.type == "cpu"
+                     and self.in_features % 2 == 0 and dtype in (torch.float32, torch.bfloat16))
+        q = q.to_layout("vs16" if self.fast else "rows")
         self.register_buffer("qweight", q.qweight)
         self.register_buffer("scale", q.scale.to(dtype))
         self.register_buffer("bias", None if bias is None else bias.to(dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        y = torch._weight_int8pack_mm(x.reshape(-1, shape[-1]), self.qweight, self.scale)
+        x2 = x.reshape(-1, shape[-1])
+        if self.fast:
+            out = x.dtype if x.dtype in (torch.float32, torch.bfloat16) else torch.float32
+            y = fast_kernels.int8_mm(x2.to(out), self.qweight, self.scale, self.out_features, self.bias, out)
+            return y.to(x.dtype).reshape(*shape[:-1], -1)
+        y = torch._weight_int8pack_mm(x2, self.qweight, self.scale)
         y = y.reshape(*shape[:-1], -1)
         return y if self.bias is None else y + self.bias
 
+    def int8_weight(self) -> Int8Weight:
+        return Int8Weight(self.qweight, self.scale, "vs16" if self.fast else "rows")
+
     def dequantized(self) -> torch.Tensor:
-        return self.qweight.float() * self.scale.float()[:, None]
+        return self.int8_weight().dequantize()
+
+    def _apply(self, fn, recurse=True):  # noqa: ANN001, ANN202 - nn.Module's signature
+        if self.fast and fn(torch.empty(0)).device.type != "cpu":  # the kernel's layout is CPU-only
+            self.qweight = self.int8_weight().rows()
+            self.fast = False
+        return super()._apply(fn, recurse)
 
 
 # -- int4 ---------------------------------------------------------------------------------
@@ -154,21 +219,48 @@ def _unpack_cpu(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
     return out
 
 
+def _vs16_pack_reference(codes: torch.Tensor) -> torch.Tensor:
+    """Codes [N, K] into :mod:`verispec.kernels`' int4 layout, in plain torch (the C++ packer is faster).
+
+    Per 16 rows and 8 columns, 64 bytes = 32 little-endian words: word j holds row j // 2 and in its
+    nibble t the code of column 8c + 2t + j % 2.
+    """
+    n, k = codes.shape
+    c = codes.to(torch.uint8).view(n // 16, 16, k // 8, 4, 2).permute(0, 2, 1, 4, 3)  # [nb, c, row, s, t]
+    lo = c[..., 0] | (c[..., 1] << 4)
+    hi = c[..., 2] | (c[..., 3] << 4)
+    return torch.stack([lo, hi], dim=-1).reshape(n // 16, k * 8).contiguous()
+
+
+def _vs16_unpack_reference(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    b = packed.reshape(n // 16, k // 8, 16, 2, 2)  # [nb, c, row, s, byte]
+    t = torch.stack([b[..., 0] & 15, b[..., 0] >> 4, b[..., 1] & 15, b[..., 1] >> 4], dim=-1)  # [.., s, t]
+    return t.permute(0, 2, 1, 4, 3).reshape(n, k).contiguous()
+
+
 @dataclass
 class Int4Weight:
-    """An int4 weight ready for the kernel: packed codes plus ``scales_and_zeros`` [K/G, N, 2] (bf16).
+    """An int4 weight ready for a kernel: packed codes plus scales and zeros (bf16).
 
     PyTorch's convention (tinygemm, as in gpt-fast/torchao): ``w = (q - 8) * scale + zero`` for
-    codes q in 0..15. ``packed`` is in the CPU kernel's layout (which depends on the CPU's
-    vector width, see :func:`_cpu_block_n`).
+    codes q in 0..15. ``layout`` says how the bytes are arranged:
+
+    - ``"cpu"``: PyTorch's CPU kernel layout (``_convert_weight_to_int4pack_for_cpu``, which depends
+      on the CPU's vector width, see :func:`_cpu_block_n`); ``packed`` uint8 [N, K/2] and
+      ``scales_and_zeros`` [K/G, N, 2].
+    - ``"vs16"``: :mod:`verispec.kernels`' layout (CPU-independent, group size 32 only): ``packed``
+      uint8 [N/16, 8K] (see :func:`_vs16_pack_reference`) and ``scales_and_zeros`` [N/16, K/G, 16, 2].
     """
 
-    packed: torch.Tensor  # uint8 [N, K // 2]
-    scales_and_zeros: torch.Tensor  # bf16 [K // group_size, N, 2]
+    packed: torch.Tensor
+    scales_and_zeros: torch.Tensor
     group_size: int = INT4_GROUP
+    layout: str = "cpu"
 
     @property
     def shape(self) -> tuple[int, int]:
+        if self.layout == "vs16":
+            return self.scales_and_zeros.shape[0] * 16, self.scales_and_zeros.shape[1] * self.group_size
         return self.scales_and_zeros.shape[1], self.packed.shape[1] * 2
 
     @classmethod
@@ -207,12 +299,48 @@ class Int4Weight:
         return cls.from_codes(q.to(torch.uint8).view(n, k), scale, zero, group_size)
 
     def codes(self) -> torch.Tensor:
-        return _unpack_cpu(self.packed, *self.shape)
+        n, k = self.shape
+        if self.layout == "vs16":
+            if fast_kernels.available():
+                return fast_kernels.int4_unpack(self.packed, n, k)
+            return _vs16_unpack_reference(self.packed, n, k)
+        return _unpack_cpu(self.packed, n, k)
+
+    def stock_scales_and_zeros(self) -> torch.Tensor:
+        """Scales and zeros as PyTorch's kernels take them: [K/G, N, 2]."""
+        if self.layout == "vs16":
+            nb, g = self.scales_and_zeros.shape[:2]
+            return self.scales_and_zeros.permute(1, 0, 2, 3).reshape(g, nb * 16, 2).contiguous()
+        return self.scales_and_zeros
+
+    def to_layout(self, layout: str) -> Int4Weight:
+        """The same weight in another layout (``"cpu"`` or ``"vs16"``)."""
+        if layout == self.layout:
+            return self
+        n, k = self.shape
+        if layout == "cpu":
+            packed = torch._convert_weight_to_int4pack_for_cpu(self.codes().to(torch.int32), 1)
+            return Int4Weight(packed, self.stock_scales_and_zeros(), self.group_size)
+        if layout != "vs16" or self.group_size != 32:
+            raise VerispecError(f"cannot hold an int4 weight (group {self.group_size}) in layout '{layout}'")
+        sz = self.scales_and_zeros.view(k // 32, n // 16, 16, 2).permute(1, 0, 2, 3).contiguous()
+        bn = _cpu_block_n()
+        if not fast_kernels.available():
+            packed = _vs16_pack_reference(self.codes())
+        elif n % bn == 0:  # straight from PyTorch's whole blocks (all real models)
+            packed = fast_kernels.int4_from_stock(self.packed, n, k, _cpu_block_layout(bn))
+        else:
+            packed = fast_kernels.int4_pack(self.codes())
+        return Int4Weight(packed, sz, self.group_size, "vs16")
 
     @staticmethod
     def cat(parts: list[Int4Weight]) -> Int4Weight:
         """Concatenate along output rows (fused q/k/v and gate/up projections)."""
-        g = parts[0].group_size
+        g, layout = parts[0].group_size, parts[0].layout
+        parts = [p.to_layout(layout) for p in parts]
+        if layout == "vs16":  # 16-row blocks, and every part has whole blocks
+            return Int4Weight(torch.cat([p.packed for p in parts]), torch.cat([p.scales_and_zeros for p in parts]),
+                              g, "vs16")
         sz = torch.cat([p.scales_and_zeros for p in parts], dim=1)
         if all(p.shape[0] % _cpu_block_n() == 0 for p in parts[:-1]):
             # Packed blocks never straddle a part: the packed bytes simply follow each other.
@@ -222,7 +350,7 @@ class Int4Weight:
 
     def dequantize(self) -> torch.Tensor:
         n, k = self.shape
-        sz = self.scales_and_zeros.float()  # [K/G, N, 2]
+        sz = self.stock_scales_and_zeros().float()  # [K/G, N, 2]
         q = self.codes().float().view(n, k // self.group_size, self.group_size) - 8
         return (q * sz[..., 0].t()[..., None] + sz[..., 1].t()[..., None]).view(n, k)
 
@@ -232,12 +360,20 @@ class Int4Linear(nn.Module):
 
     The CPU kernel is vectorised for bf16 only (its fp32 path is scalar and ~10x slower), so
     activations are cast to bf16 around each matmul whatever the model's dtype.
+
+    With the fast kernels (``kernels="auto"`` on a CPU that runs them, group size 32) the
+    buffers hold their ``vs16`` layout (see :class:`Int4Weight`) and the output is accumulated
+    in fp32 and rounded once to the model's dtype (fp32 models keep an fp32 output), bias included.
     """
 
-    def __init__(self, weight: Int4Weight, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+    def __init__(self, weight: Int4Weight, bias: torch.Tensor | None, dtype: torch.dtype,
+                 kernels: str = "auto") -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.group_size = weight.group_size
+        self.fast = (fast_kernels.use_fast(kernels) and weight.packed.device.type == "cpu"
+                     and self.group_size == 32)
+        weight = weight.to_layout("vs16" if self.fast else "cpu")
         self.register_buffer("qweight", weight.packed)
         self.register_buffer("scales_and_zeros", weight.scales_and_zeros)
         self.register_buffer("bias", None if bias is None else bias.to(dtype))
@@ -245,6 +381,12 @@ class Int4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1]).to(torch.bfloat16)
+        if self.fast:
+            out = torch.float32 if x.dtype == torch.float32 else torch.bfloat16
+            bias = self.bias if self.bias is None or self.bias.dtype in (torch.float32, torch.bfloat16) else None
+            y = fast_kernels.int4_mm(x2, self.qweight, self.scales_and_zeros, self.out_features, bias, out)
+            y = y.to(x.dtype).reshape(*shape[:-1], -1)
+            return y if bias is not None or self.bias is None else y + self.bias
         if self.qweight.is_cuda:
             y = torch._weight_int4pack_mm(x2, self.qweight, self.group_size, self.scales_and_zeros)
         else:
@@ -253,9 +395,10 @@ class Int4Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
     def int4_weight(self) -> Int4Weight:
+        """The weight as this layer holds it (layout ``vs16`` with the fast kernels, else ``cpu``)."""
         if self.qweight.is_cuda:
             raise VerispecError("int4 weights packed for CUDA cannot be unpacked")
-        return Int4Weight(self.qweight, self.scales_and_zeros, self.group_size)
+        return Int4Weight(self.qweight, self.scales_and_zeros, self.group_size, "vs16" if self.fast else "cpu")
 
     def dequantized(self) -> torch.Tensor:
         return self.int4_weight().dequantize()
@@ -268,6 +411,9 @@ class Int4Linear(nn.Module):
         codes = self.int4_weight().codes() if after.type == "cuda" and before.type != "cuda" else None
         if after.type != "cuda" and before.type == "cuda":
             raise VerispecError("int4 weights cannot move from CUDA back to the CPU; reload the model")
+        if self.fast and after.type != "cpu":  # the fast layout is CPU-only; CUDA takes PyTorch's scales
+            self.scales_and_zeros = self.int4_weight().stock_scales_and_zeros()
+            self.fast = False
         super()._apply(fn, recurse)
         if codes is not None:
             k = self.in_features
@@ -281,23 +427,26 @@ class Int4Linear(nn.Module):
 
 
 def make_linear(weight: torch.Tensor | QuantizedTensor | Int4Weight | Int8Weight, bias: torch.Tensor | None,
-                fmt: str, dtype: torch.dtype) -> nn.Module:
+                fmt: str, dtype: torch.dtype, kernels: str = "auto") -> nn.Module:
     """A linear layer computing ``x @ weight.T + bias`` with weights stored as ``fmt``.
 
     ``weight`` is a float tensor, or already quantized: an :class:`Int4Weight` / :class:`Int8Weight`
     is used as it is, a :class:`QuantizedTensor` (4-bit codes, e.g. from Q4_K) becomes int4
-    without a float detour, or is dequantized for the other formats.
+    without a float detour, or is dequantized for the other formats. ``kernels`` picks the int4/int8
+    matmul: ``"auto"`` (verispec's kernels where the CPU runs them, else PyTorch's) or ``"stock"``.
     """
+    if kernels not in fast_kernels.KERNEL_CHOICES:
+        raise VerispecError(f"unknown kernels '{kernels}' (choose from {', '.join(fast_kernels.KERNEL_CHOICES)})")
     if isinstance(weight, Int4Weight):
-        return Int4Linear(weight, bias, dtype)
+        return Int4Linear(weight, bias, dtype, kernels)
     if isinstance(weight, Int8Weight):
-        return Int8Linear(weight, bias, dtype)
+        return Int8Linear(weight, bias, dtype, kernels)
     if fmt not in WEIGHT_FORMATS:
         raise VerispecError(f"unknown weight format '{fmt}' (choose from {', '.join(WEIGHT_FORMATS)})")
     if fmt == "int4" and int4_supported(*weight.shape):
         if isinstance(weight, QuantizedTensor):
-            return Int4Linear(Int4Weight.from_quantized(weight), bias, dtype)
-        return Int4Linear(Int4Weight.quantize(weight.to(dtype)), bias, dtype)
+            return Int4Linear(Int4Weight.from_quantized(weight), bias, dtype, kernels)
+        return Int4Linear(Int4Weight.quantize(weight.to(dtype)), bias, dtype, kernels)
     if fmt == "int4":
         logger.debug("int4 does not fit a [%d, %d] weight; keeping it dense", *weight.shape)
         fmt = "dense"
@@ -305,4 +454,4 @@ def make_linear(weight: torch.Tensor | QuantizedTensor | Int4Weight | Int8Weight
         weight = weight.dequantize()
     if fmt == "dense":
         return DenseLinear(weight.to(dtype), None if bias is None else bias.to(dtype))
-    return Int8Linear(weight, bias, dtype)
+    return Int8Linear(weight, bias, dtype, kernels)

@@ -158,8 +158,10 @@ class Transformer(nn.Module):
         a = self.args
         write = (torch.arange(b, device=tokens.device)[:, None].expand(b, m), positions)
         mask = self._mask(positions, kv_len)
+        whole = rows == slice(None)  # no view of the cache: a compiled forward writes into it in place
         for i, layer in enumerate(self.layers[: n_layers or a.n_layers]):
-            x = layer(x, cos, sin, cache.k[i, rows], cache.v[i, rows], write, kv_len, mask)
+            k, v = (cache.k[i], cache.v[i]) if whole else (cache.k[i][rows], cache.v[i][rows])
+            x = layer(x, cos, sin, k, v, write, kv_len, mask)
         if last_only:
             x = x[:, -1:]
         return self.lm_head(self.norm(x)).float()
@@ -182,13 +184,14 @@ class Transformer(nn.Module):
 
     @classmethod
     def from_state_dict(cls, args: ModelArgs, get: Callable[[str], torch.Tensor | None], dtype: torch.dtype,
-                        weight_format: str = "dense") -> Transformer:
+                        weight_format: str = "dense", kernels: str = "auto") -> Transformer:
         """Build from tensors named as in Hugging Face checkpoints.
 
         ``get(name)`` returns a float tensor or None when absent; taking a getter rather
         than a dict lets loaders materialise one tensor at a time and keep peak memory low.
         For projection weights it may also return an already quantized weight
         (:class:`QuantizedTensor`, :class:`Int4Weight`, :class:`Int8Weight`, see linear.py).
+        ``kernels`` ("auto" or "stock") picks the int4/int8 matmul kernels (see :func:`make_linear`).
         """
 
         def req(name: str) -> torch.Tensor:
@@ -200,7 +203,7 @@ class Transformer(nn.Module):
         def linear(names: list[str], with_bias: bool) -> nn.Module:
             w = fuse([req(n + ".weight") for n in names])
             b = torch.cat([req(n + ".bias") for n in names]) if with_bias else None
-            return make_linear(w, b, weight_format, dtype)
+            return make_linear(w, b, weight_format, dtype, kernels)
 
         def fuse(parts: list) -> torch.Tensor | QuantizedTensor | Int4Weight | Int8Weight:
             # Rows are output channels, so every format concatenates along them; mixed parts
@@ -229,5 +232,5 @@ class Transformer(nn.Module):
         head_w = get("lm_head.weight")
         if head_w is None or args.tie_word_embeddings:
             head_w = embed
-        lm_head = make_linear(head_w, None, weight_format, dtype)
+        lm_head = make_linear(head_w, None, weight_format, dtype, kernels)
         return cls(args, embed.to(dtype), layers, norm("model.norm.weight"), lm_head, dtype)

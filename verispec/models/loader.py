@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from verispec import hub
+from verispec import kernels as fast_kernels
 from verispec.errors import VerispecError
 from verispec.log import logger
 from verispec.models.args import ModelArgs
@@ -25,7 +26,7 @@ from verispec.models.linear import Int4Weight, Int8Weight, QuantizedTensor, int4
 from verispec.models.llama import Transformer
 
 CONVERT_VERSION = 1
-INT4_VERSION = 1  # bump when the int4 conversion or its cache layout changes
+INT4_VERSION = 2  # bump when the int4 conversion or its cache layout changes (2: layout in the folder name)
 # GGUF types with more than ~4.5 bits a weight: under ``int4`` these go to int8 instead, so the
 # tensors llama.cpp chose to keep more precise (Q4_K_M's Q6_K ffn_down/attn_v/output) stay so.
 _INT8_TYPES = {"Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0", "Q8_1", "Q8_K"}
@@ -265,22 +266,26 @@ def converted(src: ModelSource, dtype: torch.dtype, progress: bool = True) -> Mo
     return ModelSource(src.path, src.args, cached.tensor_names, src.eos_token_ids, cached._get)
 
 
-def converted_int4(src: ModelSource, dtype: torch.dtype, progress: bool = True) -> ModelSource:
+def converted_int4(src: ModelSource, dtype: torch.dtype, progress: bool = True, layout: str = "cpu") -> ModelSource:
     """A GGUF source converted once for ``--weights int4`` and cached as safetensors.
 
     Per Hugging Face name the cache holds what :meth:`ModelSource.get_int4` returns: packed
     int4 codes and bf16 scales/zeros (``NAME.int4_packed``, ``NAME.int4_sz``), int8 codes and
-    scales (``NAME.int8_q``, ``NAME.int8_scale``) or a plain ``dtype`` tensor. The packed layout
-    depends on the CPU's vector width, so that is part of the folder name.
+    scales (``NAME.int8_q``, ``NAME.int8_scale``) or a plain ``dtype`` tensor. ``layout`` is the
+    kernels' byte layout the packed tensors are stored in, so loading needs no repacking:
+    ``"cpu"`` (PyTorch's CPU kernels; depends on the CPU's vector width, which is then part of
+    the folder name) or ``"vs16"`` (:mod:`verispec.kernels`, CPU-independent).
     """
     from safetensors import safe_open
     from safetensors.torch import save_file
     from tqdm import tqdm
 
     short = str(dtype).removeprefix("torch.")
-    layout = torch.backends.cpu.get_cpu_capability()
+    cpu_layout = torch.backends.cpu.get_cpu_capability()
+    tag = "vs16" if layout == "vs16" else cpu_layout
+    int8_layout = "vs16" if layout == "vs16" else "rows"
     folder = (hub.home() / "converted"
-              / f"{file_key(src.path)}-int4-{short}-{layout}-v{INT4_VERSION}")
+              / f"{file_key(src.path)}-int4-{short}-{tag}-v{INT4_VERSION}")
     file = folder / "model.safetensors"
     if not file.is_file():
         logger.info("converting %s to int4 (once; cached in %s)", src.path.name, folder)
@@ -289,14 +294,16 @@ def converted_int4(src: ModelSource, dtype: torch.dtype, progress: bool = True) 
                          leave=False):
             t = src.get_int4(name, dtype)
             if isinstance(t, Int4Weight):
+                t = t.to_layout(layout)
                 tensors[name + ".int4_packed"], tensors[name + ".int4_sz"] = t.packed, t.scales_and_zeros
             elif isinstance(t, Int8Weight):
+                t = t.to_layout(int8_layout)
                 tensors[name + ".int8_q"], tensors[name + ".int8_scale"] = t.qweight, t.scale
             else:
                 tensors[name] = t.to(dtype)
         folder.mkdir(parents=True, exist_ok=True)
         tmp = folder / "model.safetensors.partial"
-        save_file(tensors, str(tmp), metadata={"group_size": "32", "cpu_layout": layout})
+        save_file(tensors, str(tmp), metadata={"group_size": "32", "cpu_layout": cpu_layout, "layout": layout})
         os.replace(tmp, file)
         del tensors
     try:
@@ -304,16 +311,19 @@ def converted_int4(src: ModelSource, dtype: torch.dtype, progress: bool = True) 
     except Exception as e:
         raise VerispecError(f"{file}: unreadable safetensors file ({e}); delete it to convert again") from None
     keys = set(handle.keys())
-    group = int((handle.metadata() or {}).get("group_size", 32))
+    meta = handle.metadata() or {}
+    group = int(meta.get("group_size", 32))
+    if meta.get("layout", "cpu") != layout:
+        raise VerispecError(f"{file}: holds layout '{meta.get('layout', 'cpu')}', expected '{layout}'; delete it")
 
     def get(name: str) -> torch.Tensor | None:
         return handle.get_tensor(name) if name in keys else None
 
     def get_int4(name: str, dtype: torch.dtype) -> torch.Tensor | Int4Weight | Int8Weight | None:
         if name + ".int4_packed" in keys:
-            return Int4Weight(get(name + ".int4_packed"), get(name + ".int4_sz"), group)
+            return Int4Weight(get(name + ".int4_packed"), get(name + ".int4_sz"), group, layout)
         if name + ".int8_q" in keys:
-            return Int8Weight(get(name + ".int8_q"), get(name + ".int8_scale"))
+            return Int8Weight(get(name + ".int8_q"), get(name + ".int8_scale"), int8_layout)
         return get(name)
 
     return ModelSource(src.path, src.args, src.tensor_names, src.eos_token_ids, get, get_int4)
@@ -368,17 +378,23 @@ def open_source(name_or_path: str | Path) -> ModelSource:
 
 
 def build_model(src: ModelSource, dtype: torch.dtype, weight_format: str = "dense", progress: bool = True,
-                cache: bool = True) -> Transformer:
+                cache: bool = True, kernels: str = "auto") -> Transformer:
     """Materialise the decoder from ``src``, showing progress while tensors load.
 
     With ``cache`` a GGUF source is first converted once to ``dtype`` (see :func:`converted`),
-    or for ``int4`` to packed int4/int8 weights (see :func:`converted_int4`).
+    or for ``int4`` to packed int4/int8 weights (see :func:`converted_int4`). ``kernels`` picks
+    the int4/int8 matmuls: ``"auto"`` (verispec's AVX-512 BF16 kernels where the CPU runs them)
+    or ``"stock"`` (PyTorch's); the int4 cache is kept in the chosen kernels' layout, so a model
+    loads without repacking (other sources are repacked as their tensors load).
     """
     from tqdm import tqdm
 
     int4 = weight_format == "int4" and src._get_int4 is not None
-    if cache:
-        src = converted_int4(src, dtype, progress) if int4 else converted(src, dtype, progress)
+    if cache and int4:
+        layout = "vs16" if fast_kernels.use_fast(kernels) else "cpu"  # what the layers will hold
+        src = converted_int4(src, dtype, progress, layout)
+    elif cache:
+        src = converted(src, dtype, progress)
     bar = tqdm(total=len(src.tensor_names), desc=f"loading {src.path.name}", unit="tensor",
                disable=not progress or None, leave=False)
 
@@ -389,7 +405,7 @@ def build_model(src: ModelSource, dtype: torch.dtype, weight_format: str = "dens
 
     try:
         with torch.inference_mode():
-            return Transformer.from_state_dict(src.args, get, dtype, weight_format).eval()
+            return Transformer.from_state_dict(src.args, get, dtype, weight_format, kernels).eval()
     except KeyError as e:
         raise VerispecError(f"{src.path}: incomplete checkpoint ({e.args[0]})") from None
     finally:

@@ -1,0 +1,122 @@
+"""Weight-only int4/int8 matmul t(M), stock PyTorch kernels vs verispec's (verispec/kernels).
+
+Per projection shape of Qwen2.5-Coder-1.5B Q4_K_M (fused q/k/v, o and fused gate/up as int4;
+down and the 151936-row lm_head as int8, as the Q6_K tensors load; down also as int4; pass
+--int8-all to time the int4 shapes as int8 too), t(M) for
+M = 1..8 activation rows. Each timing cycles through enough distinct random weight copies
+that together they exceed --stream-mb (default 160 MiB, five times a 32 MiB L3), so weights
+come from DRAM as in a real forward; the median of --reps rounds is reported, with the
+weight bytes read per second. Usage:
+
+    python bench/kernel_bench.py [--threads 2] [--reps 7] [--m-max 8] [--shapes qkv,o,gate_up,down,lm_head]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import time
+
+import torch
+
+from verispec import kernels
+from verispec.models.linear import Int4Weight, Int8Weight
+
+SHAPES = {  # name: (N, K, format), as in the Q4_K_M file (Q6_K ffn_down and output become int8)
+    "qkv": (2048, 1536, "int4"),
+    "o": (1536, 1536, "int4"),
+    "gate_up": (17920, 1536, "int4"),
+    "down": (1536, 8960, "int8"),
+    "down_int4": (1536, 8960, "int4"),
+    "lm_head": (151936, 1536, "int8"),
+}
+
+
+def int4_copies(n: int, k: int, count: int) -> tuple[list, list]:
+    """Random int4 weights: (stock packed, scales/zeros) and (fast packed, fast scales/zeros) per copy."""
+    stock, fast = [], []
+    for i in range(count):
+        g = torch.Generator().manual_seed(i)
+        codes = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
+        scale = torch.rand(n, k // 32, generator=g) * 0.01 + 0.001
+        zero = torch.randn(n, k // 32, generator=g) * 0.01
+        w = Int4Weight.from_codes(codes, scale, zero)
+        stock.append((w.packed, w.scales_and_zeros))
+        if kernels.available():
+            v = w.to_layout("vs16")
+            fast.append((v.packed, v.scales_and_zeros))
+    return stock, fast
+
+
+def int8_copies(n: int, k: int, count: int) -> tuple[list, list]:
+    stock, fast = [], []
+    for i in range(count):
+        g = torch.Generator().manual_seed(i)
+        q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
+        w = Int8Weight(q, (torch.rand(n, generator=g) * 0.01).to(torch.bfloat16))
+        stock.append((w.qweight, w.scale))
+        if kernels.available():
+            fast.append((w.to_layout("vs16").qweight, w.scale))
+    return stock, fast
+
+
+def time_calls(fn, copies: list, x: torch.Tensor, reps: int) -> float:
+    """Median over ``reps`` rounds of the mean time of one call, each round touching every copy once."""
+    for c in copies:  # warm-up (and page in)
+        fn(x, c)
+    rounds = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for c in copies:
+            fn(x, c)
+        rounds.append((time.perf_counter() - t0) / len(copies))
+    return statistics.median(rounds)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--m-max", type=int, default=8)
+    ap.add_argument("--stream-mb", type=float, default=160.0, help="total weight bytes cycled through per round")
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--int8-all", action="store_true", help="also time the int4 shapes as int8")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    fast_ok = kernels.available()
+    ms = range(1, args.m_max + 1)
+    jobs = [(s, *SHAPES[s]) for s in args.shapes.split(",")]
+    if args.int8_all:
+        jobs += [(s, n, k, "int8") for s, (n, k, f) in SHAPES.items() if f == "int4" and s in args.shapes]
+    print(f"threads {args.threads}, reps {args.reps}, fast kernels: {fast_ok or kernels.why_unavailable()}\n")
+    cols = " | ".join(f"M={m} µs" for m in ms)
+    print(f"| shape [N, K] | format | kernel | {cols} | GB/s M=1 | GB/s M={ms[-1]} | t({ms[-1]})/t(1) |")
+    print("|---|---|---|" + "---:|" * (len(ms) + 3))
+    for name, n, k, fmt in jobs:
+        per_weight = 0.5 + 4 / 32 if fmt == "int4" else 1.0 + 2 / k  # codes + bf16 scales (and zeros)
+        nbytes = n * k * per_weight
+        count = max(2, math.ceil(args.stream_mb * 2**20 / nbytes))
+        stock, fast = (int4_copies if fmt == "int4" else int8_copies)(n, k, count)
+        if fmt == "int4":
+            runs = {"stock": (lambda x, c: torch._weight_int4pack_mm_for_cpu(x, c[0], 32, c[1]), stock),
+                    "fast": (lambda x, c, n=n: kernels.int4_mm(x, c[0], c[1], n), fast)}
+        else:
+            runs = {"stock": (lambda x, c: torch._weight_int8pack_mm(x, c[0], c[1]), stock),
+                    "fast": (lambda x, c, n=n: kernels.int8_mm(x, c[0], c[1], n), fast)}
+        if not fast_ok:
+            runs.pop("fast")
+        for kind, (fn, copies) in runs.items():
+            ts = []
+            for m in ms:
+                x = torch.randn(m, k).to(torch.bfloat16)
+                ts.append(time_calls(fn, copies, x, args.reps))
+            gbs = [nbytes / t / 1e9 for t in (ts[0], ts[-1])]
+            cells = " | ".join(f"{t * 1e6:.0f}" for t in ts)
+            print(f"| {name} [{n}, {k}] | {fmt} | {kind} | {cells} | {gbs[0]:.1f} | {gbs[1]:.1f} | "
+                  f"{ts[-1] / ts[0]:.2f} |", flush=True)
+        del stock, fast, runs
+
+
+if __name__ == "__main__":
+    main()

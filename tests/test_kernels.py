@@ -1,0 +1,344 @@
+"""verispec's weight-only int4/int8 CPU kernels (verispec/kernels) against plain references.
+
+The reference for every product is dequantize-then-matmul in fp32 with the activations the
+kernel sees (bf16-rounded x; fp32 x for the int8 fp32 path). Tolerances, with
+``S = |x| @ |w|^T`` (the scale of the accumulated terms):
+
+- fp32 output: ``|y - ref| <= 1e-5 * S`` -- fp32 accumulation only (products of bf16 x and
+  exact bf16 weights are exact in fp32); PyTorch's stock kernels, which round their output to
+  bf16, are ~2^-9 of |y| off, so this is far tighter than what they achieve;
+- bf16 output: ``|y - ref| <= 2^-8 * |ref| + 1e-5 * S`` -- one rounding to bf16 (half an ulp
+  is at most 2^-8 of the value) on top of the same accumulation error.
+
+When the CPU has AVX-512 BF16 the fast path must be available here (detected, not assumed);
+elsewhere those tests are skipped and only the stock fallback is checked.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from test_quant import write_gguf
+from tiny import make_tiny
+
+from verispec import Engine, EngineConfig, SamplingParams, kernels
+from verispec.errors import VerispecError
+from verispec.models.linear import (
+    Int4Linear,
+    Int4Weight,
+    Int8Linear,
+    Int8Weight,
+    _cpu_block_layout,
+    _cpu_block_n,
+    _vs16_pack_reference,
+    _vs16_unpack_reference,
+    make_linear,
+)
+from verispec.models.loader import build_model, open_source
+
+
+def cpu_has_avx512_bf16() -> bool:
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return False
+    return {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"} <= set(flags.split(":", 1)[1].split())
+
+
+FAST = kernels.available()
+fast_only = pytest.mark.skipif(not FAST, reason=f"fast kernels unavailable: {kernels.why_unavailable()}")
+
+
+def test_fast_kernels_run_where_the_cpu_has_them():
+    if cpu_has_avx512_bf16():
+        assert FAST, kernels.why_unavailable()
+    else:
+        assert not FAST
+
+
+def random_int4(n: int, k: int, seed: int = 0) -> Int4Weight:
+    g = torch.Generator().manual_seed(seed)
+    return Int4Weight.quantize(torch.randn(n, k, generator=g))
+
+
+def random_int8(n: int, k: int, seed: int = 0, dtype: torch.dtype = torch.bfloat16) -> Int8Weight:
+    g = torch.Generator().manual_seed(seed)
+    return Int8Weight.quantize(torch.randn(n, k, generator=g), dtype)
+
+
+def check(y: torch.Tensor, ref: torch.Tensor, x: torch.Tensor, wd: torch.Tensor) -> None:
+    s = x.float().abs() @ wd.abs().t()
+    err = (y.float() - ref).abs()
+    bound = 1e-5 * s + (2.0 ** -8 * ref.abs() if y.dtype == torch.bfloat16 else 0)
+    assert (err <= bound + 1e-30).all(), f"max excess {(err - bound).max().item()}"
+
+
+# -- layouts ----------------------------------------------------------------------------------
+
+
+@fast_only
+@pytest.mark.parametrize("n,k", [(16, 32), (64, 256), (48, 96), (2048, 1536), (80, 8960)])
+def test_int4_packers_agree(n, k):
+    w = random_int4(n, k, n + k)
+    codes = w.codes()
+    packed = kernels.int4_pack(codes)
+    assert torch.equal(packed, _vs16_pack_reference(codes))
+    assert torch.equal(kernels.int4_unpack(packed, n, k), codes)
+    assert torch.equal(_vs16_unpack_reference(packed, n, k), codes)
+    v = w.to_layout("vs16")  # from PyTorch's packed blocks directly when they are whole
+    assert torch.equal(v.packed, packed) and v.shape == (n, k)
+    assert torch.equal(v.codes(), codes) and torch.equal(v.dequantize(), w.dequantize())
+    back = v.to_layout("cpu")
+    assert torch.equal(back.packed, w.packed) and torch.equal(back.scales_and_zeros, w.scales_and_zeros)
+    if n % _cpu_block_n() == 0:
+        assert torch.equal(kernels.int4_from_stock(w.packed, n, k, _cpu_block_layout(_cpu_block_n())), packed)
+
+
+@fast_only
+@pytest.mark.parametrize("n,k", [(16, 32), (40, 6), (33, 98), (1000, 1536)])
+def test_int8_packers_agree(n, k):
+    w = random_int8(n, k)
+    v = w.to_layout("vs16")
+    assert v.qweight.shape == ((n + 15) // 16, k // 2, 16, 2) and v.shape == (n, k)
+    padded = torch.zeros((n + 15) // 16 * 16, k, dtype=torch.int8)
+    padded[:n] = w.qweight
+    assert torch.equal(v.qweight, padded.view(-1, 16, k // 2, 2).permute(0, 2, 1, 3))
+    assert torch.equal(v.rows(), w.qweight) and torch.equal(kernels.int8_unpack(v.qweight, n, k), w.qweight)
+    assert torch.equal(v.to_layout("rows").qweight, w.qweight)
+
+
+def test_weights_concatenate_in_either_layout():
+    parts4 = [random_int4(n, 64, n) for n in (64, 16, 48)]
+    ref4 = torch.cat([p.dequantize() for p in parts4])
+    assert torch.equal(Int4Weight.cat(parts4).dequantize(), ref4)
+    parts8 = [random_int8(n, 64, n) for n in (32, 20, 16)]  # 20: a part that is not whole blocks
+    ref8 = torch.cat([p.dequantize() for p in parts8])
+    assert torch.equal(Int8Weight.cat(parts8).dequantize(), ref8)
+    if FAST:
+        fused4 = Int4Weight.cat([p.to_layout("vs16") for p in parts4])
+        assert fused4.layout == "vs16" and torch.equal(fused4.dequantize(), ref4)
+        fused8 = Int8Weight.cat([p.to_layout("vs16") for p in parts8])
+        assert fused8.layout == "vs16" and torch.equal(fused8.dequantize(), ref8)
+
+
+# -- the kernels against dequantize-then-matmul -------------------------------------------------
+
+
+@fast_only
+@pytest.mark.parametrize("n,k", [(16, 32), (48, 96), (64, 256), (1024, 1536), (96, 8960)])
+@pytest.mark.parametrize("m", [*range(1, 9), 11, 17])
+def test_int4_kernel_matches_reference(n, k, m):
+    w = random_int4(n, k, m)
+    v = w.to_layout("vs16")
+    wd = w.dequantize()
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
+    ref = x.float() @ wd.t()
+    y32 = kernels.int4_mm(x, v.packed, v.scales_and_zeros, n, out_dtype=torch.float32)
+    y16 = kernels.int4_mm(x, v.packed, v.scales_and_zeros, n)
+    assert y32.dtype == torch.float32 and y16.dtype == torch.bfloat16 and y16.shape == (m, n)
+    check(y32, ref, x, wd)
+    check(y16, ref, x, wd)
+    stock = torch._weight_int4pack_mm_for_cpu(x, w.packed, 32, w.scales_and_zeros).float()
+    assert (y32 - ref).abs().max() * 10 <= (stock - ref).abs().max()  # the stock kernel rounds to bf16
+    bias = torch.randn(n).to(torch.bfloat16)
+    yb = kernels.int4_mm(x, v.packed, v.scales_and_zeros, n, bias, torch.float32)
+    torch.testing.assert_close(yb, y32 + bias.float(), rtol=0, atol=1e-4 * float(ref.abs().max()))
+
+
+@fast_only
+@pytest.mark.parametrize("n,k", [(16, 32), (40, 64), (33, 98), (1000, 1536), (64, 8960)])
+@pytest.mark.parametrize("m", [*range(1, 9), 11, 17])
+def test_int8_kernel_matches_reference(n, k, m):
+    w = random_int8(n, k, m)
+    v = w.to_layout("vs16")
+    wd = w.dequantize()
+    gen = torch.Generator().manual_seed(m)
+    x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+    ref = x.float() @ wd.t()
+    check(kernels.int8_mm(x, v.qweight, w.scale, n, out_dtype=torch.float32), ref, x, wd)
+    check(kernels.int8_mm(x, v.qweight, w.scale, n), ref, x, wd)
+    # fp32 activations: three bf16 parts, so every product is the exact fp32 one.
+    w32 = random_int8(n, k, m, torch.float32)
+    x32 = torch.randn(m, k, generator=gen)
+    y = kernels.int8_mm(x32, w32.to_layout("vs16").qweight, w32.scale, n)
+    assert y.dtype == torch.float32
+    check(y, x32 @ w32.dequantize().t(), x32, w32.dequantize())
+
+
+@fast_only
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+def test_a_row_gives_the_same_bits_alone_or_with_others(fmt):
+    # Verifying k+1 tokens at once must score each exactly as decoding it alone would.
+    n, k = 256, 512
+    x = torch.randn(13, k).to(torch.bfloat16)
+    if fmt == "int4":
+        v = random_int4(n, k).to_layout("vs16")
+
+        def run(rows):
+            return kernels.int4_mm(rows, v.packed, v.scales_and_zeros, n)
+    else:
+        v = random_int8(n, k).to_layout("vs16")
+
+        def run(rows):
+            return kernels.int8_mm(rows, v.qweight, v.scale, n)
+    together = run(x)
+    for m in range(13):
+        assert torch.equal(run(x[m:m + 1])[0], together[m])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert torch.equal(run(x), together)
+    finally:
+        torch.set_num_threads(threads)
+
+
+# -- the layers, fast and stock -------------------------------------------------------------------
+
+
+def test_stock_choice_gives_the_stock_result():
+    torch.manual_seed(0)
+    w, x = torch.randn(96, 128), torch.randn(3, 128).to(torch.bfloat16)
+    lin4 = make_linear(w, None, "int4", torch.bfloat16, kernels="stock")
+    assert isinstance(lin4, Int4Linear) and not lin4.fast
+    q = Int4Weight.quantize(w.to(torch.bfloat16))
+    assert torch.equal(lin4(x), torch._weight_int4pack_mm_for_cpu(x, q.packed, 32, q.scales_and_zeros))
+    lin8 = make_linear(w, None, "int8", torch.bfloat16, kernels="stock")
+    assert isinstance(lin8, Int8Linear) and not lin8.fast
+    q8 = Int8Weight.quantize(w, torch.bfloat16)
+    assert torch.equal(lin8(x), torch._weight_int8pack_mm(x, q8.qweight, q8.scale))
+    with pytest.raises(VerispecError, match="unknown kernels"):
+        make_linear(w, None, "int4", torch.bfloat16, kernels="fastest")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+def test_fast_and_stock_layers_agree(fmt, dtype):
+    torch.manual_seed(1)
+    w, bias = torch.randn(96, 128), torch.randn(96)
+    fast = make_linear(w, bias, fmt, dtype, kernels="auto")
+    stock = make_linear(w, bias, fmt, dtype, kernels="stock")
+    assert fast.fast == FAST and not stock.fast
+    wd = stock.dequantized()
+    assert torch.equal(fast.dequantized(), wd)  # the same weights, whatever the layout
+    x = torch.randn(2, 5, 128).to(dtype)
+    yf, ys = fast(x), stock(x)
+    assert yf.dtype == ys.dtype == dtype and yf.shape == ys.shape == (2, 5, 96)
+    xr = x.to(torch.bfloat16).float() if fmt == "int4" or dtype == torch.bfloat16 else x.float()
+    ref = xr @ wd.t() + bias.to(dtype).float()
+    s = xr.abs() @ wd.abs().t() + bias.abs()
+    for y in (yf, ys):  # both within bf16 rounding of the reference (stock rounds twice with a bias)
+        assert ((y.float() - ref).abs() <= 2.0 ** -7 * s + 1e-5).all()
+    if FAST and dtype == torch.float32:
+        assert ((yf - ref).abs() <= 1e-5 * s).all()  # fp32 models keep an fp32 output
+
+
+@fast_only
+def test_int4_layer_moves_between_layouts():
+    lin = make_linear(torch.randn(64, 64), None, "int4", torch.bfloat16)
+    w = lin.int4_weight()
+    assert w.layout == "vs16" and lin.qweight.shape == (4, 64 * 8)
+    assert lin.to("cpu") is lin and lin.fast  # Engine moves models to their device; on the CPU a no-op
+    stock = Int4Linear(w, None, torch.bfloat16, kernels="stock")
+    assert torch.equal(stock.int4_weight().codes(), w.codes())
+
+
+# -- whole models ------------------------------------------------------------------------------------
+
+
+def engine_for(model) -> Engine:
+    return Engine(EngineConfig(model="tiny", dtype="float32", max_len=96, progress=False), model, None, {1})
+
+
+@pytest.fixture(scope="module")
+def int4_models(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("kernels") / "m"
+    make_tiny(folder, arch="qwen2", vocab=96, layers=2, dim=64, heads=4, kv_heads=2, seed=3, scale=3.0)
+    return {(dtype, kern): build_model(open_source(folder), dtype, "int4", progress=False, kernels=kern)
+            for dtype in (torch.float32, torch.bfloat16) for kern in ("auto", "stock")}
+
+
+PROMPTS = [[3, 5, 7, 9], [10, 20, 30, 40, 50, 60], [2]]
+
+
+def test_int4_model_greedy_tokens_match_stock(int4_models):
+    # fp32 model: the fast kernels keep fp32 outputs, the stock ones round to bf16; same tokens.
+    models = {kern: int4_models[(torch.float32, kern)] for kern in ("auto", "stock")}
+    kinds = {(type(m).__name__, m.fast) for m in models["auto"].modules() if hasattr(m, "fast")}
+    assert kinds == {("Int4Linear", FAST)}
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    out = {kern: [r.token_ids for r in engine_for(m).generate(PROMPTS, params)] for kern, m in models.items()}
+    assert len({tuple(t) for t in out["stock"]}) > 1
+    assert out["auto"] == out["stock"]
+
+
+def test_bf16_int4_model_agrees_with_stock_wherever_bf16_can_tell(int4_models):
+    # In bf16 the two differ by rounding (the fast kernels round once, bias included), so a
+    # near-tie may flip: teacher-force stock's greedy text through both and compare the argmax
+    # wherever stock's top-two margin is more than a few bf16 ulps of the logits.
+    stock, fast = int4_models[(torch.bfloat16, "stock")], int4_models[(torch.bfloat16, "auto")]
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    decided = 0
+    for prompt, res in zip(PROMPTS, engine_for(stock).generate(PROMPTS, params), strict=True):
+        seq = torch.tensor([prompt + res.token_ids])
+        pos = torch.arange(seq.shape[1])[None]
+        with torch.inference_mode():
+            a, b = (m(seq, pos, m.new_cache(1, 64))[0] for m in (stock, fast))
+        top = a.topk(2, -1).values
+        clear = (top[:, 0] - top[:, 1]) > 2.0 ** -6 * a.abs().max()
+        assert torch.equal(a.argmax(-1)[clear], b.argmax(-1)[clear])
+        decided += int(clear.sum())
+    assert decided >= 40  # of 3 x ~25 positions
+
+
+def test_gguf_int4_cache_follows_the_kernels(tmp_path, monkeypatch):
+    monkeypatch.setenv("VERISPEC_HOME", str(tmp_path / "home"))
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path)
+    built = {kern: build_model(open_source(path), torch.float32, "int4", progress=False, kernels=kern)
+             for kern in ("auto", "stock")}
+    folders = sorted(p.parent.name.split("-int4-float32-")[1]
+                     for p in (tmp_path / "home" / "converted").glob("tiny-*-int4-float32-*/model.safetensors"))
+    cpu_tag = torch.backends.cpu.get_cpu_capability()
+    assert folders == (sorted([cpu_tag + "-v2", "vs16-v2"]) if FAST else [cpu_tag + "-v2"])
+    again = build_model(open_source(path), torch.float32, "int4", progress=False)  # from the cache, no repacking
+    for kern, model in built.items():
+        names = dict(model.named_modules())
+        for name, mod in dict(again.named_modules()).items():
+            if hasattr(mod, "dequantized"):
+                assert torch.equal(mod.dequantized(), names[name].dequantized()), (kern, name)
+    tokens, pos = torch.tensor([[5, 9, 2, 33, 7]]), torch.arange(5)[None]
+    with torch.inference_mode():
+        a, b = (m(tokens, pos, m.new_cache(1, 8)) for m in (built["stock"], again))
+    assert (a - b).abs().max() <= 0.02 * a.abs().max()
+
+
+# -- the loader's fallbacks ----------------------------------------------------------------------------
+
+
+def test_environment_forces_the_stock_kernels(monkeypatch):
+    monkeypatch.setenv("VERISPEC_KERNELS", "stock")
+    assert kernels._load(False) == (None, "VERISPEC_KERNELS=stock")
+
+
+def test_a_failed_build_falls_back_without_raising(tmp_path, monkeypatch):
+    bad = tmp_path / "wo_gemm.cpp"
+    bad.write_text("this is not C++\n")
+    monkeypatch.setattr(kernels, "_SOURCE", bad)
+    monkeypatch.setattr(kernels, "_HOME", tmp_path / "home")
+    monkeypatch.setattr(kernels, "_cpu_flags", lambda: None)  # get as far as the compiler on any CPU
+    ext, why = kernels._load(False)
+    assert ext is None and why.startswith("build failed")
+
+
+@fast_only
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+def test_the_kernels_compile(fmt):
+    # torch.compile sees them as operators (fake implementations give shapes), not graph breaks.
+    torch.manual_seed(2)
+    lin = make_linear(torch.randn(64, 96), torch.randn(64), fmt, torch.bfloat16)
+    x = torch.randn(3, 96).to(torch.bfloat16)
+    torch._dynamo.reset()
+    compiled = torch.compile(lin, fullgraph=True)
+    assert torch.equal(compiled(x), lin(x))

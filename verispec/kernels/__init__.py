@@ -1,0 +1,241 @@
+"""Fast weight-only int4/int8 matmuls for a few activation rows (AVX-512 BF16 CPUs).
+
+Speculative decoding verifies M = k + 1 tokens per target forward, so the quantized
+projections should cost about the same for M = 1..8 while their weights stream from memory.
+``wo_gemm.cpp`` does that (see the comment at its top and docs/quantization.md): weights in
+its own packed layout, unpacked once per call into bf16 tiles that every activation row
+reuses through ``vdpbf16ps``.
+
+The C++ extension is compiled once with ``torch.utils.cpp_extension`` (g++ and ninja) into
+``$VERISPEC_HOME/kernels/`` (``make setup`` runs ``python -m verispec.kernels``) and loaded
+from there afterwards. Every AVX-512 function has a target attribute, so the library itself
+loads on any x86-64 CPU; :func:`available` is true only when it built and the CPU has
+AVX-512 F/BW/VL/DQ/BF16. Otherwise one warning is logged and the layers keep PyTorch's stock
+kernels. ``VERISPEC_KERNELS=stock`` in the environment forces the stock kernels everywhere.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import sys
+import threading
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from verispec import hub
+from verispec.log import logger
+
+KERNEL_CHOICES = ("auto", "stock")
+_SOURCE = Path(__file__).with_name("wo_gemm.cpp")
+_CFLAGS = ["-O3", "-fopenmp"]  # plus -DVS_NS=<op namespace>
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+_EXT: ModuleType | None = None  # the loaded extension (pybind functions: the cheapest eager call)
+_OPS = None  # the same matmuls as torch operators (what torch.compile sees)
+# Resolved once, at import: tests and tools that point VERISPEC_HOME elsewhere later (for
+# converted-model caches) keep using the one compiled library instead of building another.
+_HOME = hub.home()
+
+
+def _tag() -> str:
+    h = hashlib.sha256(_SOURCE.read_bytes())
+    h.update(f"{torch.__version__}|{sys.version_info[:2]}|{' '.join(_CFLAGS)}".encode())
+    return h.hexdigest()[:12]
+
+
+def build_dir() -> Path:
+    """Where the extension is built and cached (one folder per source/torch/Python version)."""
+    return _HOME / "kernels" / f"wo_gemm-{_tag()}"
+
+
+def _cpu_flags() -> set[str] | None:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return None
+
+
+def _import(name: str, so: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, so)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _load(verbose: bool) -> tuple[ModuleType | None, str]:
+    if os.environ.get("VERISPEC_KERNELS", "auto").lower() == "stock":
+        return None, "VERISPEC_KERNELS=stock"
+    flags = _cpu_flags()
+    if flags is not None and not {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"} <= flags:
+        return None, "this CPU lacks AVX-512 BF16"
+    folder = build_dir()
+    name = f"verispec_wo_gemm_{_tag()}"
+    so = folder / f"{name}.so"
+    ext = None
+    if so.is_file():
+        try:
+            ext = _import(name, so)
+        except Exception as e:  # a half-written or foreign library: build it again
+            logger.debug("cannot import %s (%s); rebuilding", so, e)
+    if ext is None:
+        try:
+            from torch.utils.cpp_extension import load
+
+            folder.mkdir(parents=True, exist_ok=True)
+            logger.info("building the verispec int4/int8 kernels (once; cached in %s)", folder)
+            ext = load(name=name, sources=[str(_SOURCE)], extra_cflags=[*_CFLAGS, f"-DVS_NS={name}"],
+                       extra_ldflags=["-fopenmp"], build_directory=str(folder), verbose=verbose)
+        except Exception as e:  # compiler missing, build error, ...
+            _state["detail"] = str(e)
+            return None, f"build failed ({type(e).__name__}; `python -m verispec.kernels` shows the compiler output)"
+    if not ext.cpu_supported():
+        return None, "this CPU lacks AVX-512 BF16"
+    _register_fakes(name)
+    return ext, ""
+
+
+def _register_fakes(namespace: str) -> None:
+    """Shapes and dtypes of the operators for torch.compile's tracing (no data touched)."""
+
+    def out(x: torch.Tensor, n: int, out_fp32: bool, rows: int) -> torch.Tensor:
+        return x.new_empty((rows, n), dtype=torch.float32 if out_fp32 else torch.bfloat16)
+
+    @torch.library.register_fake(f"{namespace}::int4_mm")
+    def _int4(x, w, sz, n, bias, out_fp32):  # noqa: ANN001, ANN202 - the schema's arguments
+        return out(x, n, out_fp32, x.shape[0])
+
+    @torch.library.register_fake(f"{namespace}::int8_mm")
+    def _int8(x, w, scale, n, splits, bias, out_fp32):  # noqa: ANN001, ANN202
+        return out(x, n, out_fp32, x.shape[0] // splits)
+
+    global _OPS
+    _OPS = getattr(torch.ops, namespace)
+
+
+def extension(verbose: bool = False) -> ModuleType | None:
+    """The compiled extension, built on first use; None (after one warning) when it cannot run here."""
+    global _EXT
+    if _EXT is not None:
+        return _EXT
+    with _lock:
+        if "ext" not in _state:
+            ext, why = _load(verbose)
+            _state["ext"], _state["why"] = ext, why
+            if ext is None and why != "VERISPEC_KERNELS=stock":
+                logger.warning("verispec int4/int8 kernels unavailable (%s); using PyTorch's stock kernels", why)
+            _EXT = ext
+        return _state["ext"]
+
+
+def available() -> bool:
+    """Whether the fast kernels run on this machine (builds them on first call)."""
+    return extension() is not None
+
+
+def why_unavailable() -> str:
+    extension()
+    return str(_state.get("why", ""))
+
+
+def use_fast(kernels: str) -> bool:
+    """Whether a layer built with ``kernels`` ("auto" or "stock") should use the fast kernels."""
+    if kernels not in KERNEL_CHOICES:
+        from verispec.errors import VerispecError
+
+        raise VerispecError(f"unknown kernels '{kernels}' (choose from {', '.join(KERNEL_CHOICES)})")
+    return kernels == "auto" and available()
+
+
+def _ext() -> ModuleType:
+    ext = extension()
+    if ext is None:
+        raise RuntimeError(f"verispec kernels unavailable: {why_unavailable()}")
+    return ext
+
+
+# -- int4 -------------------------------------------------------------------------------------
+
+
+def int4_pack(codes: torch.Tensor) -> torch.Tensor:
+    """Codes uint8 [N, K] (0..15; N % 16 == 0, K % 32 == 0) -> the kernel's layout, uint8 [N/16, 8K]."""
+    return _ext().int4_pack(codes.to(torch.uint8))
+
+
+def int4_unpack(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    return _ext().int4_unpack(packed, n, k)
+
+
+def int4_from_stock(packed: torch.Tensor, n: int, k: int, rows_of_nibble: torch.Tensor) -> torch.Tensor:
+    """From ``_convert_weight_to_int4pack_for_cpu``'s layout (whole blocks of len(rows_of_nibble) rows)."""
+    return _ext().int4_from_stock(packed, n, k, rows_of_nibble.to(torch.int64))
+
+
+def int4_mm(x: torch.Tensor, packed: torch.Tensor, sz: torch.Tensor, n: int, bias: torch.Tensor | None = None,
+            out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """``x @ w.T (+ bias)`` for x [M, K] (cast to bf16, as the stock kernel does); fp32 accumulation,
+    output in ``out_dtype`` (fp32, or rounded once to bf16)."""
+    x = x.to(torch.bfloat16).contiguous()
+    if torch.compiler.is_compiling():
+        return _OPS.int4_mm(x, packed, sz, n, bias, out_dtype == torch.float32)
+    return (_EXT or _ext()).int4_mm(x, packed, sz, n, bias, out_dtype == torch.float32)
+
+
+# -- int8 -------------------------------------------------------------------------------------
+
+
+def int8_pack(qweight: torch.Tensor) -> torch.Tensor:
+    """int8 [N, K] (K even) -> the kernel's layout [ceil(N/16), K/2, 16, 2], padded rows zero."""
+    return _ext().int8_pack(qweight)
+
+
+def int8_unpack(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    return _ext().int8_unpack(packed, n, k)
+
+
+def bf16_split(x: torch.Tensor) -> torch.Tensor:
+    """fp32 x [M, K] as three bf16 parts stacked [3M, K] whose sum is x exactly (normal numbers):
+    8 + 8 + 8 significant bits cover fp32's 24, and each difference is exact in fp32."""
+    hi = x.to(torch.bfloat16)
+    r = x - hi.float()
+    mid = r.to(torch.bfloat16)
+    lo = (r - mid.float()).to(torch.bfloat16)
+    return torch.cat([hi, mid, lo])
+
+
+def int8_mm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, n: int, bias: torch.Tensor | None = None,
+            out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``x @ (q * scale).T (+ bias)`` for x [M, K]. bf16 x is used as it is; fp32 x is split into three
+    bf16 parts (:func:`bf16_split`), so every product is the exact fp32 one, as in the stock kernel."""
+    out_dtype = out_dtype or x.dtype
+    if x.dtype == torch.float32:
+        xb, splits = bf16_split(x.contiguous()), 3
+    else:
+        xb, splits = x.to(torch.bfloat16).contiguous(), 1
+    if torch.compiler.is_compiling():
+        return _OPS.int8_mm(xb, packed, scale, n, splits, bias, out_dtype == torch.float32)
+    return (_EXT or _ext()).int8_mm(xb, packed, scale, n, splits, bias, out_dtype == torch.float32)
+
+
+def main() -> None:
+    """``python -m verispec.kernels``: build (or find) the extension and say what the layers will use."""
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    ok = available()
+    if ok:
+        print(f"verispec kernels: AVX-512 BF16 int4/int8 kernels ready ({build_dir()})")
+    else:
+        print(f"verispec kernels: using PyTorch's stock int4/int8 kernels ({why_unavailable()})")
+        if _state.get("detail"):
+            print(_state["detail"])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,588 @@
+// Weight-only int4 / int8 GEMM for a few activation rows (M = 1..8 per pass), AVX-512 BF16.
+//
+// y[m, n] = sum_k x[m, k] * w[n, k], weights streamed from memory once per call.
+//
+// Output rows sit in vector lanes: one zmm holds 16 output rows as fp32 accumulators, and a
+// "tile" is one zmm of bf16 weights = 16 rows x 2 consecutive k (a pair per 32-bit lane), the
+// operand of vdpbf16ps. Each unpacked tile is used by all M activation rows (the activation
+// pair x[m, k..k+1] is broadcast to all lanes), so the weight bytes are read and unpacked once
+// whatever M is.
+//
+// int4 layout (per block of 16 output rows, K/2 * 16 bytes, blocks one after another):
+//   chunks of 8 k (64 bytes = 32 little-endian words); word j holds row j/2 and, in its four
+//   nibbles t = 0..3, the codes for k = 8 * chunk + 2 * t + (j & 1). Four vpermw against a
+//   32-entry table turn a chunk into four tiles of exact bf16 values q - 8.
+//   Scales and zeros: [N/16, K/32, 16] dwords, bf16 scale in the low half and bf16 zero in the
+//   high half (PyTorch's [.., 2] order): y += scale * sum(q-8)x + zero * sum(x) per group of 32.
+// int8 layout: [ceil(N/16), K/2, 16, 2] (rows padded with zeros to a multiple of 16); a pair
+//   chunk of 32 bytes converts (sign-extend, int -> fp32 -> bf16, exact) into one tile.
+//
+// Every function using AVX-512 carries a target attribute, so this file is compiled without
+// -mavx512* and the library loads on any x86-64 CPU; cpu_supported() says whether to call it.
+// The per-row arithmetic does not depend on M nor on how rows are chunked or threaded: a row
+// of x gives bit-identical outputs whether it is verified alone or with others.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+#define VS_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,f16c")))
+#define VS_AVX512_VBMI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi")))
+
+constexpr int64_t BN = 16;  // output rows per block (one zmm of fp32)
+constexpr int64_t MB = 8;   // activation rows per pass over a block
+constexpr int64_t GS = 32;  // int4 group size
+// Software prefetch distance (bytes ahead in a block's weight stream; the scales/zeros stream is
+// prefetched a quarter as far). Weights are read once per call, so the hardware prefetchers
+// alone leave the kernels latency-bound; 4-8 KiB measured best here (6 KiB: see the docs).
+constexpr int64_t PREFETCH = 6144;
+
+bool cpu_supported() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+         __builtin_cpu_supports("avx512bf16");
+#else
+  return false;
+#endif
+}
+
+// ---- int4 -------------------------------------------------------------------------------
+
+// One 16-row block against M rows of x: out[m][16] = sum over K (fp32).
+template <int M>
+VS_AVX512 inline void int4_block(const uint8_t* __restrict w, const uint32_t* __restrict sz,
+                                 const uint16_t* __restrict x, int64_t ldx, const float* __restrict xs,
+                                 int64_t ldxs, int64_t groups, float* __restrict out) {
+  // bf16 bits of (i & 15) - 8 for i = 0..31 (vpermw reads 5 index bits; the 5th is the next nibble's).
+  alignas(64) static const uint16_t lut_words[32] = {
+      0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80,
+      0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,
+      0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80,
+      0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0};
+  const __m512i lut = _mm512_load_si512(lut_words);
+  const __m512i hi_mask = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  __m512 y[M];
+  for (int m = 0; m < M; ++m) y[m] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    // Two accumulators per row and group (even / odd k pairs), reset every group: short
+    // dependency chains, and groups overlap in the out-of-order window.
+    __m512 a0[M], a1[M];
+    for (int m = 0; m < M; ++m) {
+      a0[m] = _mm512_setzero_ps();
+      a1[m] = _mm512_setzero_ps();
+    }
+    const uint8_t* wg = w + g * 256;
+    _mm_prefetch(reinterpret_cast<const char*>(sz + g * 16) + PREFETCH / 4, _MM_HINT_T0);
+#pragma GCC unroll 4
+    for (int o = 0; o < 4; ++o) {
+      _mm_prefetch(reinterpret_cast<const char*>(wg + o * 64 + PREFETCH), _MM_HINT_T0);
+      const __m512i d = _mm512_loadu_si512(wg + o * 64);
+      const __m512i t0 = _mm512_permutexvar_epi16(d, lut);
+      const __m512i t1 = _mm512_permutexvar_epi16(_mm512_srli_epi16(d, 4), lut);
+      const __m512i t2 = _mm512_permutexvar_epi16(_mm512_srli_epi16(d, 8), lut);
+      const __m512i t3 = _mm512_permutexvar_epi16(_mm512_srli_epi16(d, 12), lut);
+#pragma GCC unroll 8
+      for (int m = 0; m < M; ++m) {
+        const int32_t* xp = reinterpret_cast<const int32_t*>(x + m * ldx) + g * 16 + o * 4;
+        a0[m] = _mm512_dpbf16_ps(a0[m], (__m512bh)t0, (__m512bh)_mm512_set1_epi32(xp[0]));
+        a1[m] = _mm512_dpbf16_ps(a1[m], (__m512bh)t1, (__m512bh)_mm512_set1_epi32(xp[1]));
+        a0[m] = _mm512_dpbf16_ps(a0[m], (__m512bh)t2, (__m512bh)_mm512_set1_epi32(xp[2]));
+        a1[m] = _mm512_dpbf16_ps(a1[m], (__m512bh)t3, (__m512bh)_mm512_set1_epi32(xp[3]));
+      }
+    }
+    const __m512i s2 = _mm512_loadu_si512(sz + g * 16);
+    const __m512 sc = _mm512_castsi512_ps(_mm512_slli_epi32(s2, 16));
+    const __m512 zr = _mm512_castsi512_ps(_mm512_and_si512(s2, hi_mask));
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) {
+      y[m] = _mm512_fmadd_ps(_mm512_add_ps(a0[m], a1[m]), sc, y[m]);
+      y[m] = _mm512_fmadd_ps(_mm512_set1_ps(xs[m * ldxs + g]), zr, y[m]);
+    }
+  }
+  for (int m = 0; m < M; ++m) _mm512_storeu_ps(out + m * BN, y[m]);
+}
+
+// All rows of x (in passes of up to MB; the block stays in L1/L2 between passes) against one block.
+VS_AVX512 void int4_rows(const uint8_t* w, const uint32_t* sz, const uint16_t* x, int64_t k, const float* xs,
+                         int64_t rows, float* out) {
+  const int64_t groups = k / GS;
+  for (int64_t m0 = 0; m0 < rows; m0 += MB) {
+    const uint16_t* xm = x + m0 * k;
+    const float* xsm = xs + m0 * groups;
+    float* o = out + m0 * BN;
+    switch (std::min(MB, rows - m0)) {
+      case 1: int4_block<1>(w, sz, xm, k, xsm, groups, groups, o); break;
+      case 2: int4_block<2>(w, sz, xm, k, xsm, groups, groups, o); break;
+      case 3: int4_block<3>(w, sz, xm, k, xsm, groups, groups, o); break;
+      case 4: int4_block<4>(w, sz, xm, k, xsm, groups, groups, o); break;
+      case 5: int4_block<5>(w, sz, xm, k, xsm, groups, groups, o); break;
+      case 6: int4_block<6>(w, sz, xm, k, xsm, groups, groups, o); break;
+      case 7: int4_block<7>(w, sz, xm, k, xsm, groups, groups, o); break;
+      default: int4_block<8>(w, sz, xm, k, xsm, groups, groups, o); break;
+    }
+  }
+}
+
+// ---- int8 -------------------------------------------------------------------------------
+
+VS_AVX512 inline __m512i int8_tile_bf16(const int8_t* p) {
+  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  const __m512 hi =
+      _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
+  return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);  // words 0..15 from lo, 16..31 from hi: byte order kept
+}
+
+template <int M>
+VS_AVX512 inline void int8_block(const int8_t* __restrict w, const uint16_t* __restrict x, int64_t ldx,
+                                 int64_t pairs, float* __restrict out) {
+  __m512 y[M];
+  for (int m = 0; m < M; ++m) y[m] = _mm512_setzero_ps();
+  int64_t p = 0;
+  for (; p + 16 <= pairs; p += 16) {  // groups of 32 k, as for int4
+    __m512 a0[M], a1[M];
+    for (int m = 0; m < M; ++m) {
+      a0[m] = _mm512_setzero_ps();
+      a1[m] = _mm512_setzero_ps();
+    }
+#pragma GCC unroll 8
+    for (int q = 0; q < 16; q += 2) {
+      const int8_t* wp = w + (p + q) * 32;
+      _mm_prefetch(reinterpret_cast<const char*>(wp + PREFETCH), _MM_HINT_T0);
+      const __m512i t0 = int8_tile_bf16(wp);
+      const __m512i t1 = int8_tile_bf16(wp + 32);
+#pragma GCC unroll 8
+      for (int m = 0; m < M; ++m) {
+        const int32_t* xp = reinterpret_cast<const int32_t*>(x + m * ldx) + p + q;
+        a0[m] = _mm512_dpbf16_ps(a0[m], (__m512bh)t0, (__m512bh)_mm512_set1_epi32(xp[0]));
+        a1[m] = _mm512_dpbf16_ps(a1[m], (__m512bh)t1, (__m512bh)_mm512_set1_epi32(xp[1]));
+      }
+    }
+    for (int m = 0; m < M; ++m) y[m] = _mm512_add_ps(y[m], _mm512_add_ps(a0[m], a1[m]));
+  }
+  if (p < pairs) {  // K not a multiple of 32
+    __m512 a0[M];
+    for (int m = 0; m < M; ++m) a0[m] = _mm512_setzero_ps();
+    for (; p < pairs; ++p) {
+      const __m512i t0 = int8_tile_bf16(w + p * 32);
+      for (int m = 0; m < M; ++m) {
+        const int32_t* xp = reinterpret_cast<const int32_t*>(x + m * ldx) + p;
+        a0[m] = _mm512_dpbf16_ps(a0[m], (__m512bh)t0, (__m512bh)_mm512_set1_epi32(xp[0]));
+      }
+    }
+    for (int m = 0; m < M; ++m) y[m] = _mm512_add_ps(y[m], a0[m]);
+  }
+  for (int m = 0; m < M; ++m) _mm512_storeu_ps(out + m * BN, y[m]);
+}
+
+VS_AVX512 void int8_rows(const int8_t* w, const uint16_t* x, int64_t k, int64_t rows, float* out) {
+  const int64_t pairs = k / 2;
+  for (int64_t m0 = 0; m0 < rows; m0 += MB) {
+    const uint16_t* xm = x + m0 * k;
+    float* o = out + m0 * BN;
+    switch (std::min(MB, rows - m0)) {
+      case 1: int8_block<1>(w, xm, k, pairs, o); break;
+      case 2: int8_block<2>(w, xm, k, pairs, o); break;
+      case 3: int8_block<3>(w, xm, k, pairs, o); break;
+      case 4: int8_block<4>(w, xm, k, pairs, o); break;
+      case 5: int8_block<5>(w, xm, k, pairs, o); break;
+      case 6: int8_block<6>(w, xm, k, pairs, o); break;
+      case 7: int8_block<7>(w, xm, k, pairs, o); break;
+      default: int8_block<8>(w, xm, k, pairs, o); break;
+    }
+  }
+}
+
+// ---- shared ---------------------------------------------------------------------------------
+
+// 16 values from fp32 or bf16 memory (masked to `valid`), as fp32.
+VS_AVX512 inline __m512 load16(const void* p, bool bf16, int valid) {
+  const __mmask16 k = valid >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << valid) - 1);
+  if (bf16) {
+    const __m256i h = _mm256_maskz_loadu_epi16(k, p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+  return _mm512_maskz_loadu_ps(k, p);
+}
+
+struct Epilogue {
+  const void* scale = nullptr;  // per output row (int8), fp32 or bf16
+  bool scale_bf16 = false;
+  const void* bias = nullptr;
+  bool bias_bf16 = false;
+  void* y = nullptr;
+  bool out_bf16 = true;
+  int64_t ldy = 0;
+  int64_t n = 0;      // output columns
+  int64_t rows = 0;   // M
+  int64_t splits = 1; // x rows s * rows + m add up into output row m
+};
+
+// acc: [splits * rows][16] fp32 sums for output columns n0..n0+15.
+VS_AVX512 void finish_block(const Epilogue& e, const float* acc, int64_t n0) {
+  const int valid = static_cast<int>(std::min<int64_t>(BN, e.n - n0));
+  const __mmask16 k = valid >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << valid) - 1);
+  const size_t esz = e.out_bf16 ? 2 : 4;
+  __m512 scale = _mm512_set1_ps(1.0f), bias = _mm512_setzero_ps();
+  if (e.scale) scale = load16(static_cast<const char*>(e.scale) + n0 * (e.scale_bf16 ? 2 : 4), e.scale_bf16, valid);
+  if (e.bias) bias = load16(static_cast<const char*>(e.bias) + n0 * (e.bias_bf16 ? 2 : 4), e.bias_bf16, valid);
+  for (int64_t m = 0; m < e.rows; ++m) {
+    __m512 v = _mm512_loadu_ps(acc + m * BN);
+    for (int64_t s = 1; s < e.splits; ++s) v = _mm512_add_ps(v, _mm512_loadu_ps(acc + (s * e.rows + m) * BN));
+    if (e.scale) v = _mm512_mul_ps(v, scale);
+    if (e.bias) v = _mm512_add_ps(v, bias);
+    char* dst = static_cast<char*>(e.y) + (m * e.ldy + n0) * esz;
+    if (e.out_bf16) {
+      _mm256_mask_storeu_epi16(dst, k, (__m256i)_mm512_cvtneps_pbh(v));
+    } else {
+      _mm512_mask_storeu_ps(dst, k, v);
+    }
+  }
+}
+
+// Sums of each group of 32 bf16 values of each row: out[r * groups + g].
+VS_AVX512 void group_sums(const uint16_t* x, int64_t rows, int64_t k, float* out) {
+  const int64_t groups = k / GS;
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint16_t* p = x + r * k + g * GS;
+      const __m512 lo = _mm512_castsi512_ps(
+          _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+      const __m512 hi = _mm512_castsi512_ps(
+          _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16))), 16));
+      out[r * groups + g] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
+    }
+  }
+}
+
+int64_t grain_for(int64_t block_bytes) {
+  // At least ~48 KiB of weights per task, so tiny layers do not pay for a thread fork.
+  return std::max<int64_t>(1, (48 << 10) / std::max<int64_t>(1, block_bytes));
+}
+
+void check_cpu() {
+  static const bool ok = cpu_supported();
+  TORCH_CHECK(ok, "verispec kernels: this CPU lacks AVX-512 BF16");
+}
+
+void set_epilogue_out(Epilogue& e, const torch::Tensor& y, const c10::optional<torch::Tensor>& bias) {
+  e.y = y.data_ptr();
+  e.out_bf16 = y.scalar_type() == torch::kBFloat16;
+  e.ldy = y.size(1);
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->is_contiguous() && bias->numel() == e.n, "bias: contiguous, one value per output");
+    TORCH_CHECK(bias->scalar_type() == torch::kFloat || bias->scalar_type() == torch::kBFloat16, "bias: fp32/bf16");
+    e.bias = bias->data_ptr();
+    e.bias_bf16 = bias->scalar_type() == torch::kBFloat16;
+  }
+}
+
+// ---- entry points ------------------------------------------------------------------------------
+
+// x: bf16 [M, K]; w: int4 layout above; sz: bf16 [N/16, K/32, 16, 2]. Returns [M, N] (fp32 or bf16).
+torch::Tensor int4_mm(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& sz, int64_t n,
+                      const c10::optional<torch::Tensor>& bias, bool out_fp32) {
+  check_cpu();
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.is_contiguous(), "x: contiguous bf16 [M, K]");
+  const int64_t m = x.size(0), k = x.size(1);
+  TORCH_CHECK(k % GS == 0 && n % BN == 0, "int4_mm: K % 32 == 0 and N % 16 == 0 required");
+  TORCH_CHECK(w.scalar_type() == torch::kUInt8 && w.is_contiguous() && w.numel() == n * k / 2, "int4_mm: packed w");
+  TORCH_CHECK(sz.scalar_type() == torch::kBFloat16 && sz.is_contiguous() && sz.numel() == n * (k / GS) * 2,
+              "int4_mm: scales/zeros bf16 [N/16, K/32, 16, 2]");
+  auto y = torch::empty({m, n}, x.options().dtype(out_fp32 ? torch::kFloat : torch::kBFloat16));
+  if (m == 0 || n == 0) return y;
+  const int64_t groups = k / GS, blocks = n / BN;
+  std::vector<float> xs(m * groups);
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  group_sums(xp, m, k, xs.data());
+  Epilogue e;
+  e.n = n;
+  e.rows = m;
+  set_epilogue_out(e, y, bias);
+  const auto* wp = w.data_ptr<uint8_t>();
+  const auto* szp = reinterpret_cast<const uint32_t*>(sz.data_ptr());
+  at::parallel_for(0, blocks, grain_for(k * BN / 2), [&](int64_t b0, int64_t b1) {
+    std::vector<float> acc(m * BN);
+    for (int64_t b = b0; b < b1; ++b) {
+      int4_rows(wp + b * (k * BN / 2), szp + b * groups * BN, xp, k, xs.data(), m, acc.data());
+      finish_block(e, acc.data(), b * BN);
+    }
+  });
+  return y;
+}
+
+// x: bf16 [splits * M, K] (rows s * M + m add up, e.g. the bf16 parts of fp32 activations);
+// w: int8 layout above, [ceil(N/16), K/2, 16, 2]; scale: [N] fp32/bf16. Returns [M, N].
+torch::Tensor int8_mm(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scale, int64_t n,
+                      int64_t splits, const c10::optional<torch::Tensor>& bias, bool out_fp32) {
+  check_cpu();
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.is_contiguous(), "x: contiguous bf16 [M, K]");
+  TORCH_CHECK(splits >= 1 && x.size(0) % splits == 0, "int8_mm: rows not a multiple of splits");
+  const int64_t rows = x.size(0), m = rows / splits, k = x.size(1);
+  const int64_t blocks = (n + BN - 1) / BN;
+  TORCH_CHECK(k % 2 == 0, "int8_mm: K must be even");
+  TORCH_CHECK(w.scalar_type() == torch::kChar && w.is_contiguous() && w.numel() == blocks * BN * k, "int8_mm: packed w");
+  TORCH_CHECK(scale.is_contiguous() && scale.numel() == n &&
+                  (scale.scalar_type() == torch::kFloat || scale.scalar_type() == torch::kBFloat16),
+              "int8_mm: scale fp32/bf16 [N]");
+  auto y = torch::empty({m, n}, x.options().dtype(out_fp32 ? torch::kFloat : torch::kBFloat16));
+  if (m == 0 || n == 0) return y;
+  Epilogue e;
+  e.n = n;
+  e.rows = m;
+  e.splits = splits;
+  e.scale = scale.data_ptr();
+  e.scale_bf16 = scale.scalar_type() == torch::kBFloat16;
+  set_epilogue_out(e, y, bias);
+  const auto* wp = w.data_ptr<int8_t>();
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  at::parallel_for(0, blocks, grain_for(k * BN), [&](int64_t b0, int64_t b1) {
+    std::vector<float> acc(rows * BN);
+    for (int64_t b = b0; b < b1; ++b) {
+      int8_rows(wp + b * k * BN, xp, k, rows, acc.data());
+      finish_block(e, acc.data(), b * BN);
+    }
+  });
+  return y;
+}
+
+// ---- packing -------------------------------------------------------------------------------------
+
+
+// 16 rows of codes (row r at codes + r * ldc, values 0..15) into one int4 block of k / 2 * 16 bytes.
+void pack_int4_block(const uint8_t* codes, int64_t ldc, int64_t k, uint8_t* dst) {
+  for (int64_t c = 0; c < k / 8; ++c) {
+    uint8_t* d = dst + c * 64;
+    for (int j = 0; j < 32; ++j) {
+      const uint8_t* r = codes + (j >> 1) * ldc + c * 8 + (j & 1);
+      d[2 * j] = static_cast<uint8_t>((r[0] & 15) | (r[2] & 15) << 4);
+      d[2 * j + 1] = static_cast<uint8_t>((r[4] & 15) | (r[6] & 15) << 4);
+    }
+  }
+}
+
+void unpack_int4_block(const uint8_t* src, int64_t k, uint8_t* codes, int64_t ldc) {
+  for (int64_t c = 0; c < k / 8; ++c) {
+    const uint8_t* s = src + c * 64;
+    for (int j = 0; j < 32; ++j) {
+      uint8_t* r = codes + (j >> 1) * ldc + c * 8 + (j & 1);
+      r[0] = s[2 * j] & 15;
+      r[2] = s[2 * j] >> 4;
+      r[4] = s[2 * j + 1] & 15;
+      r[6] = s[2 * j + 1] >> 4;
+    }
+  }
+}
+
+// One 64-row block of PyTorch's AVX-512 int4 layout ([k][32] bytes, nibble i of a k-slice, low
+// nibbles first, holding row rows_of_nibble[i]) into the four 16-row blocks of ours. `perm` is
+// the inverse map (row -> nibble) as vpermb indices. Per 8 k: the 64 rows' codes of each k come
+// out of one vpermb; bytes pairs of k interleave per 128-bit lane (= one 16-row block), and two
+// shifts/ors and one more interleave give the 64-byte chunk of each block.
+VS_AVX512_VBMI void stock64_to_fast(const uint8_t* blk, int64_t k, const uint8_t* perm, uint8_t* dst) {
+  const __m512i idx = _mm512_loadu_si512(perm);
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  const int64_t bstride = k * BN / 2;  // bytes between our 16-row blocks
+  for (int64_t c = 0; c < k / 8; ++c) {
+    __m512i r[8];
+    for (int t = 0; t < 8; ++t) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + (c * 8 + t) * 32));
+      const __m512i nibbles = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(v, low)),
+                                                 _mm256_and_si256(_mm256_srli_epi16(v, 4), low), 1);
+      r[t] = _mm512_permutexvar_epi8(idx, nibbles);  // byte q = code of row q at k = 8c + t
+    }
+    // E_t[2q + s] = code(row q, k = 8c + 2t + s), per lane: lo = rows 0..7, hi = rows 8..15.
+    __m512i elo[4], ehi[4];
+    for (int t = 0; t < 4; ++t) {
+      elo[t] = _mm512_unpacklo_epi8(r[2 * t], r[2 * t + 1]);
+      ehi[t] = _mm512_unpackhi_epi8(r[2 * t], r[2 * t + 1]);
+    }
+    const __m512i flo = _mm512_or_si512(elo[0], _mm512_slli_epi16(elo[1], 4));
+    const __m512i fhi = _mm512_or_si512(ehi[0], _mm512_slli_epi16(ehi[1], 4));
+    const __m512i glo = _mm512_or_si512(elo[2], _mm512_slli_epi16(elo[3], 4));
+    const __m512i ghi = _mm512_or_si512(ehi[2], _mm512_slli_epi16(ehi[3], 4));
+    const __m512i out[4] = {_mm512_unpacklo_epi8(flo, glo), _mm512_unpackhi_epi8(flo, glo),
+                            _mm512_unpacklo_epi8(fhi, ghi), _mm512_unpackhi_epi8(fhi, ghi)};
+    for (int lane = 0; lane < 4; ++lane) {
+      uint8_t* d = dst + lane * bstride + c * 64;
+      for (int q = 0; q < 4; ++q) {
+        __m128i part;
+        switch (lane) {
+          case 0: part = _mm512_extracti32x4_epi32(out[q], 0); break;
+          case 1: part = _mm512_extracti32x4_epi32(out[q], 1); break;
+          case 2: part = _mm512_extracti32x4_epi32(out[q], 2); break;
+          default: part = _mm512_extracti32x4_epi32(out[q], 3); break;
+        }
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(d + q * 16), part);
+      }
+    }
+  }
+}
+
+// int8 [16 rows (stride k), k] -> [k/2][16][2]: per 32 pairs, 16 row loads and two-level word permutes.
+VS_AVX512 void int8_block_pack(const int8_t* src, int64_t k, int64_t rows, int8_t* dst) {
+  const int64_t pairs = k / 2;
+  auto* d = reinterpret_cast<uint32_t*>(dst);
+  // A gather of 4 bytes (pairs 2*p2, 2*p2+1) from each of the 16 rows; even words are pair 2*p2.
+  const __m512i vindex = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                            _mm512_set1_epi32(static_cast<int>(k)));
+  alignas(64) static const uint16_t sel_words[32] = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30,
+                                                     1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+  const __m512i sel = _mm512_load_si512(sel_words);
+  const __mmask16 live = rows >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << rows) - 1);
+  int64_t p2 = 0;
+  for (; 2 * p2 + 1 < pairs; ++p2) {
+    const __m512i g = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, vindex, src + 4 * p2, 1);
+    _mm512_storeu_si512(d + p2 * 16, _mm512_permutexvar_epi16(sel, g));  // [pair 2p2: 16 rows | 2p2+1]
+  }
+  if (2 * p2 < pairs) {  // odd number of pairs: the last one alone
+    const auto* s16 = reinterpret_cast<const uint16_t*>(src);
+    auto* d16 = reinterpret_cast<uint16_t*>(dst) + 2 * p2 * 16;
+    for (int64_t r = 0; r < 16; ++r) d16[r] = r < rows ? s16[r * pairs + 2 * p2] : 0;
+  }
+}
+
+// codes: uint8 [N, K] (0..15) -> int4 layout, uint8 [N/16, K/2 * 16].
+torch::Tensor int4_pack(const torch::Tensor& codes) {
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == torch::kUInt8, "codes: uint8 [N, K]");
+  const auto c = codes.contiguous();
+  const int64_t n = c.size(0), k = c.size(1);
+  TORCH_CHECK(n % BN == 0 && k % GS == 0, "int4_pack: N % 16 == 0 and K % 32 == 0 required");
+  auto out = torch::empty({n / BN, k * BN / 2}, c.options());
+  const uint8_t* src = c.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, n / BN, 16, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) pack_int4_block(src + b * BN * k, k, k, dst + b * k * BN / 2);
+  });
+  return out;
+}
+
+torch::Tensor int4_unpack(const torch::Tensor& packed, int64_t n, int64_t k) {
+  TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.numel() == n * k / 2, "int4_unpack: packed w");
+  const auto p = packed.contiguous();
+  auto out = torch::empty({n, k}, p.options());
+  const uint8_t* src = p.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, n / BN, 16, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) unpack_int4_block(src + b * k * BN / 2, k, dst + b * BN * k, k);
+  });
+  return out;
+}
+
+// From PyTorch's CPU int4 layout (_convert_weight_to_int4pack_for_cpu): blocks of `bn` rows, each
+// k / 2 ... laid out as [k][bn / 2] bytes whose nibble i (low nibbles first, then high) holds row
+// rows_of_nibble[i]. Only whole blocks (n % bn == 0); the caller handles other shapes.
+torch::Tensor int4_from_stock(const torch::Tensor& stock, int64_t n, int64_t k, const torch::Tensor& rows_of_nibble) {
+  TORCH_CHECK(stock.scalar_type() == torch::kUInt8 && stock.numel() == n * k / 2, "int4_from_stock: packed w");
+  TORCH_CHECK(rows_of_nibble.scalar_type() == torch::kLong && rows_of_nibble.dim() == 1, "rows_of_nibble: int64");
+  const int64_t bn = rows_of_nibble.numel();
+  TORCH_CHECK(bn % BN == 0 && n % bn == 0 && k % GS == 0, "int4_from_stock: shape/block mismatch");
+  const auto s = stock.contiguous();
+  const auto layout = rows_of_nibble.contiguous();
+  std::vector<int64_t> nib_of_row(bn, -1);
+  for (int64_t i = 0; i < bn; ++i) {
+    const int64_t r = layout.data_ptr<int64_t>()[i];
+    TORCH_CHECK(r >= 0 && r < bn && nib_of_row[r] < 0, "rows_of_nibble: not a permutation");
+    nib_of_row[r] = i;
+  }
+  auto out = torch::empty({n / BN, k * BN / 2}, s.options());
+  const uint8_t* src = s.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  const int64_t half = bn / 2;
+  if (bn == 64 && cpu_supported() && __builtin_cpu_supports("avx512vbmi")) {
+    alignas(64) uint8_t perm[64];
+    for (int64_t r = 0; r < 64; ++r) perm[r] = static_cast<uint8_t>(nib_of_row[r]);
+    at::parallel_for(0, n / bn, 1, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b) stock64_to_fast(src + b * bn * k / 2, k, perm, dst + b * bn * k / 2);
+    });
+    return out;
+  }
+  at::parallel_for(0, n / bn, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<uint8_t> codes(bn * k);
+    for (int64_t b = b0; b < b1; ++b) {
+      const uint8_t* blk = src + b * bn * k / 2;
+      for (int64_t r = 0; r < bn; ++r) {
+        const int64_t i = nib_of_row[r];
+        const int64_t byte = i % half;
+        const int shift = i >= half ? 4 : 0;
+        uint8_t* cr = codes.data() + r * k;
+        for (int64_t kk = 0; kk < k; ++kk) cr[kk] = (blk[kk * half + byte] >> shift) & 15;
+      }
+      for (int64_t r0 = 0; r0 < bn; r0 += BN)
+        pack_int4_block(codes.data() + r0 * k, k, k, dst + (b * bn + r0) / BN * (k * BN / 2));
+    }
+  });
+  return out;
+}
+
+// int8 [N, K] -> [ceil(N/16), K/2, 16, 2], rows padded with zeros.
+torch::Tensor int8_pack(const torch::Tensor& q) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == torch::kChar && q.size(1) % 2 == 0, "q: int8 [N, K], K even");
+  const auto c = q.contiguous();
+  const int64_t n = c.size(0), k = c.size(1), blocks = (n + BN - 1) / BN, pairs = k / 2;
+  auto out = torch::empty({blocks, pairs, BN, 2}, c.options());
+  const int8_t* src = c.data_ptr<int8_t>();
+  int8_t* dst = out.data_ptr<int8_t>();
+  const bool simd = cpu_supported();
+  at::parallel_for(0, blocks, 16, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t rows = std::min<int64_t>(BN, n - b * BN);
+      if (simd) {
+        int8_block_pack(src + b * BN * k, k, rows, dst + b * BN * k);
+        continue;
+      }
+      const auto* s16 = reinterpret_cast<const uint16_t*>(src + b * BN * k);
+      auto* d16 = reinterpret_cast<uint16_t*>(dst + b * BN * k);
+      for (int64_t p = 0; p < pairs; ++p)
+        for (int64_t r = 0; r < BN; ++r) d16[p * BN + r] = r < rows ? s16[r * pairs + p] : 0;
+    }
+  });
+  return out;
+}
+
+torch::Tensor int8_unpack(const torch::Tensor& packed, int64_t n, int64_t k) {
+  const int64_t blocks = (n + BN - 1) / BN;
+  TORCH_CHECK(packed.scalar_type() == torch::kChar && packed.numel() == blocks * BN * k, "int8_unpack: packed w");
+  return packed.contiguous().view({blocks, k / 2, BN, 2}).permute({0, 2, 1, 3}).reshape({blocks * BN, k}).narrow(0, 0, n)
+      .contiguous();
+}
+
+}  // namespace
+
+// The matmuls as PyTorch operators too, so torch.compile keeps them in its graphs (the Python side
+// registers their fake implementations). The namespace carries the build tag (VS_NS, set by the
+// loader), so two builds in one process never clash.
+#ifndef VS_NS
+#define VS_NS verispec_wo_gemm
+#endif
+TORCH_LIBRARY(VS_NS, m) {
+  m.def("int4_mm(Tensor x, Tensor w, Tensor sz, int n, Tensor? bias, bool out_fp32) -> Tensor");
+  m.def("int8_mm(Tensor x, Tensor w, Tensor scale, int n, int splits, Tensor? bias, bool out_fp32) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(VS_NS, CPU, m) {
+  m.impl("int4_mm", &int4_mm);
+  m.impl("int8_mm", &int8_mm);
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "verispec weight-only int4/int8 GEMM for small M (AVX-512 BF16)";
+  m.def("cpu_supported", &cpu_supported, "whether this CPU runs the kernels (AVX-512 F/BW/VL/DQ/BF16)");
+  m.def("int4_mm", &int4_mm, "y = x @ dequant(w).T", py::arg("x"), py::arg("w"), py::arg("sz"), py::arg("n"),
+        py::arg("bias") = py::none(), py::arg("out_fp32") = false);
+  m.def("int8_mm", &int8_mm, "y = x @ (q * scale).T", py::arg("x"), py::arg("w"), py::arg("scale"), py::arg("n"),
+        py::arg("splits") = 1, py::arg("bias") = py::none(), py::arg("out_fp32") = false);
+  m.def("int4_pack", &int4_pack, "codes [N, K] -> int4 layout");
+  m.def("int4_unpack", &int4_unpack, "int4 layout -> codes [N, K]");
+  m.def("int4_from_stock", &int4_from_stock, "PyTorch CPU int4 layout -> int4 layout");
+  m.def("int8_pack", &int8_pack, "int8 [N, K] -> int8 layout");
+  m.def("int8_unpack", &int8_unpack, "int8 layout -> int8 [N, K]");
+}
