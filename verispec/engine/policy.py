@@ -121,7 +121,7 @@ class Acceptance:
     """
 
     prior_a: float = 0.6
-    prior_weight: float = 4.0
+    prior_weight: float = 2.0  # small: a policy at k = 0 learns only from occasional 2-token probes
     decay: float = 0.9
     accepted: float = 0.0
     rejected: float = 0.0
