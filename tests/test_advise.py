@@ -35,9 +35,14 @@ def test_online_timings_rescale_the_whole_curve():
 
 
 def test_cost_policy_probes_after_a_run_of_plain_steps():
-    policy = CostK(CostModel(draft_s=1.0, verify_s=[0.1] * 6), k_max=5, probe_every=4, probe_k=2)
+    # Poor acceptance keeps it plain, but cheap drafts could pay: probe every 4th step.
+    policy = CostK(CostModel(draft_s=0.05, verify_s=[0.1] * 6), k_max=5, acceptance=Acceptance(prior_a=0.1),
+                   probe_every=4, probe_k=2)
     chosen = [policy.choose(5) for _ in range(8)]
     assert chosen == [0, 0, 0, 2, 0, 0, 0, 2]
+    # Drafts dearer than what even perfect acceptance saves: no probing at all.
+    policy = CostK(CostModel(draft_s=1.0, verify_s=[0.1] * 6), k_max=5, probe_every=4, probe_k=2)
+    assert [policy.choose(5) for _ in range(8)] == [0] * 8
 
 
 def test_acceptance_estimate_is_unbiased_for_prefix_acceptance():

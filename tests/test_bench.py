@@ -232,7 +232,11 @@ def test_cli_end_to_end_greedy_with_peers_and_stability(pair: tuple[str, str], t
     for r in report["summary"]:
         assert r["tokens_per_s"] > 0 and r["prompts"] == 3
         assert r["speedup"] is not None
-        if r["kind"] == "verispec":
+        if r["kind"] == "verispec" and "policy=cost" in r["method"] and not r["acceptance_by_position"]:
+            # The cost policy may decide that these tiny models never pay to speculate: then it
+            # decodes plainly, one token per step, and has no acceptance to report.
+            assert r["mean_accepted_length"] == pytest.approx(1.0) and r["acceptance_rate"] is None
+        elif r["kind"] == "verispec":
             assert r["mean_accepted_length"] >= 1.0 and 0.0 <= r["acceptance_rate"] <= 1.0
             assert r["acceptance_by_position"] and r["draft_cost_ratio"] is not None and r["draft_cost_ratio"] > 0
             assert set(r["stage_share"]) == {"prefill", "propose", "score", "verify", "other"}

@@ -1,7 +1,7 @@
 """``verispec bench``: the evaluation harness from the command line.
 
 Plain decoding runs first as the baseline, then every method, interleaved per prompt; peers
-(``--peers hf``) run on the same prompts afterwards; the stability suite (``--stability``) last.
+(``--peers hf,llamacpp``) run on the same prompts afterwards; the stability suite (``--stability``) last.
 Everything lands in ``--out``: report.json, report.md and PNG plots.
 """
 
@@ -51,6 +51,7 @@ class BenchOptions:
     draft_weights: str = "dense"
     max_len: int = 4096
     compile: bool = False
+    kernels: str = "auto"
     out: str = "bench_out"
     progress: bool = True
     plots: bool = True
@@ -71,6 +72,7 @@ class BenchOptions:
 
 def run_bench(opts: BenchOptions) -> dict[str, Any]:
     """Run the benchmark ``opts`` describes, write the report files and return the report dict."""
+    from verispec import kernels as fast_kernels
     from verispec.bench import datasets
     from verispec.bench.harness import BenchRunner, engine_generate
     from verispec.bench.memory import MemoryTracker, drafter_footprint, peak_rss_bytes, rss_bytes
@@ -90,10 +92,11 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
                             opts.n, opts.seed, opts.mt_bench_turns, opts.prompt_field, not opts.raw)
     out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
+    peer_errors = _check_peers(opts)  # a peer that cannot run is reported now, and the run goes on without it
 
     engine = Engine.from_pretrained(opts.model, draft=opts.draft, dtype=opts.dtype, weights=opts.weights,
                                     draft_weights=opts.draft_weights, max_len=opts.max_len, progress=opts.progress,
-                                    compile=opts.compile)
+                                    compile=opts.compile, kernels=opts.kernels)
     rss_after_load = rss_bytes()
     for m in methods:  # build every drafter now: an unavailable method fails before hours of running
         engine.drafter(m.spec)
@@ -104,11 +107,14 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
     peak_before_peers = peak_rss_bytes()
 
     kinds = {m.label: "baseline" if m.is_baseline else "verispec" for m in methods}
-    peers_info = _run_peers(opts, engine, runner, items, records, kinds) if opts.peers else None
+    peers_info = _run_peers(opts, engine, runner, items, records, kinds, peer_errors) if opts.peers else None
 
     rows = aggregate(items, records, BASELINE, kinds, {m.label: m.spec.k for m in methods if not m.is_baseline})
     consistency = _consistency(records, params.greedy)
     warnings = _warnings(records, consistency, kinds, params.greedy)
+    if peers_info is not None:
+        warnings += [f"peer {name} not run: {lib['error']}" for name, lib in peers_info["libraries"].items()
+                     if lib.get("error")]
     if peers_info is not None and not peers_info.get("error"):
         peers_info.update(_peer_ratios(rows))
     stability = _stability(engine, [m for m in methods if not m.from_sweep], opts) if opts.stability else None
@@ -128,7 +134,8 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
         "title": title, "date": now(),
         "settings": {**asdict(opts), "sampling": asdict(params)},
         "models": {"target": opts.model, "draft": opts.draft, "dtype": dtype, "weights": opts.weights,
-                   "draft_weights": opts.draft_weights, "max_len": opts.max_len},
+                   "draft_weights": opts.draft_weights, "max_len": opts.max_len,
+                   "quantized_kernels": "verispec" if opts.kernels == "auto" and fast_kernels.available() else "stock"},
         "machine": machine(), "versions": versions(),
         "methods": [{"label": m.label, "kind": kinds[m.label], "family": m.family, "from_sweep": m.from_sweep,
                      "spec": spec_dict(m.spec)} for m in methods]
@@ -176,16 +183,22 @@ def _warnings(records: dict[str, list[Any]], consistency: list[Any], kinds: dict
     return out
 
 
+PEER_ROWS = ("hf-assisted", "hf-prompt-lookup", "hf-plain", "llamacpp-plain", "llamacpp-prompt-lookup")
+"""Peer rows verispec's best method is compared with (``best_vs_<row>``; None when the row did not run)."""
+
+
 def _peer_ratios(rows: list[Any]) -> dict[str, Any]:
-    """tokens/s of every method over hf-plain's, and of verispec's best method over each peer's."""
+    """tokens/s of every method over hf-plain's and llamacpp-plain's, and of verispec's best method over each peer's."""
     from verispec.bench.stats import best_method, overall
 
     best = best_method(rows)
     tps = {r.method: r.tokens_per_s for r in overall(rows)}
-    out: dict[str, Any] = {"vs_hf_plain": {r.method: r.tokens_per_s / tps["hf-plain"] if tps.get("hf-plain") else None
-                                           for r in overall(rows)},
-                           "best_method": best.method if best else None}
-    for peer in ("hf-assisted", "hf-prompt-lookup", "hf-plain"):
+    out: dict[str, Any] = {}
+    for plain in ("hf-plain", "llamacpp-plain"):
+        out["vs_" + plain.replace("-", "_")] = {r.method: r.tokens_per_s / tps[plain] if tps.get(plain) else None
+                                               for r in overall(rows)}
+    out["best_method"] = best.method if best else None
+    for peer in PEER_ROWS:
         out["best_vs_" + peer.replace("-", "_")] = best.tokens_per_s / tps[peer] if best and tps.get(peer) else None
     return out
 
@@ -204,9 +217,10 @@ def _print_summary(report: dict[str, Any], out: Path) -> None:
 
     print(f"\n{report['title']}\n\n{summary_table(report)}\n")
     peers = report["peers"]
-    if peers and peers.get("best_vs_hf_assisted") is not None:
-        print(f"best verispec method {peers['best_method']}: {peers['best_vs_hf_assisted']:.2f}x "
-              "the tokens/s of hf-assisted\n")
+    for peer in ("hf-assisted", "llamacpp-plain"):
+        ratio = peers.get("best_vs_" + peer.replace("-", "_")) if peers else None
+        if ratio is not None:
+            print(f"best verispec method {peers['best_method']}: {ratio:.2f}x the tokens/s of {peer}\n")
     if report["stability"]:
         print(f"stability: {report['stability']['passed']}/{report['stability']['total']} passed\n")
     for w in report["warnings"]:
@@ -215,27 +229,104 @@ def _print_summary(report: dict[str, Any], out: Path) -> None:
     print(f"wrote {out}/report.md, {out}/report.json{plots}")
 
 
+def _check_peers(opts: BenchOptions) -> dict[str, str]:
+    """Peers that cannot run, with the reason, found before any weights load; each is logged once.
+
+    Only llama.cpp has something cheap to check: the optional package and a GGUF target.
+    """
+    from verispec.bench.peers import gguf_file, import_llama_cpp
+
+    errors = {}
+    if "llamacpp" in opts.peers:
+        try:
+            import_llama_cpp()
+            gguf_file(opts.model)
+        except VerispecError as e:
+            errors["llamacpp"] = str(e)
+            log.warning("peer llamacpp skipped: %s", e)
+    return errors
+
+
 def _run_peers(opts: BenchOptions, engine: Any, runner: Any, items: list[Any], records: dict[str, Any],
-               kinds: dict[str, str]) -> dict[str, Any]:
-    """Run the peer libraries on the same items; their records join ``records`` (kind ``peer``)."""
+               kinds: dict[str, str], errors: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run the peer libraries on the same items; their records join ``records`` (kind ``peer``).
+
+    ``errors`` names peers already found unable to run (:func:`_check_peers`); they are recorded,
+    not retried. A peer that fails to load is recorded the same way and the others still run.
+    ``error`` is set only when no peer ran at all.
+    """
+    errors = dict(errors or {})
+    run = {"hf": _run_hf_peer, "llamacpp": _run_llamacpp_peer}
+    libraries: dict[str, Any] = {}
+    for name in dict.fromkeys(opts.peers):
+        if name in errors:
+            libraries[name] = {"library": name, "error": errors[name]}
+            continue
+        try:
+            libraries[name] = run[name](opts, engine, runner, items, records, kinds)
+        except Exception as e:  # noqa: BLE001 (a peer that cannot load must not cost the whole run)
+            log.warning("peer %s skipped: %s", name, e)
+            libraries[name] = {"library": name,
+                               "error": str(e) if isinstance(e, VerispecError) else f"{type(e).__name__}: {e}"}
+    failed = {name: lib["error"] for name, lib in libraries.items() if lib.get("error")}
+    return {"decoding": "greedy" if opts.temperature == 0 else "sampled", "libraries": libraries,
+            "error": "; ".join(f"{n}: {e}" for n, e in failed.items()) if len(failed) == len(libraries) else None}
+
+
+def _add_peer_records(peer_records: dict[str, Any], records: dict[str, Any], kinds: dict[str, str]) -> None:
+    records.update(peer_records)
+    kinds.update(dict.fromkeys(peer_records, "peer"))
+
+
+def _run_hf_peer(opts: BenchOptions, engine: Any, runner: Any, items: list[Any], records: dict[str, Any],
+                 kinds: dict[str, str]) -> dict[str, Any]:
+    """transformers: hf-plain, hf-assisted (with a draft), hf-prompt-lookup."""
     from verispec.bench.peers import HFPeers
 
-    info: dict[str, Any] = {"library": "transformers", "dtype": str(engine.target.dtype).replace("torch.", ""),
-                            "decoding": "greedy" if opts.temperature == 0 else "sampled",
+    info: dict[str, Any] = {"library": "transformers", "version": _version("transformers"),
+                            "dtype": str(engine.target.dtype).replace("torch.", ""),
                             "prompt_lookup_num_tokens": opts.lookup_tokens, "error": None}
-    try:
-        peers = HFPeers.load(engine, opts.model, opts.draft, opts.lookup_tokens)
-    except Exception as e:  # noqa: BLE001 (a peer that cannot load must not cost the whole run)
-        log.warning("peers skipped: %s", e)
-        info["error"] = f"{type(e).__name__}: {e}"
-        return info
+    peers = HFPeers.load(engine, opts.model, opts.draft, opts.lookup_tokens)
     try:
         peer_records = runner.run_items(peers.methods(), items, desc="hf peers")
     finally:
         peers.close()
-    records.update(peer_records)
-    kinds.update(dict.fromkeys(peer_records, "peer"))
+    _add_peer_records(peer_records, records, kinds)
     return info
+
+
+def _run_llamacpp_peer(opts: BenchOptions, engine: Any, runner: Any, items: list[Any], records: dict[str, Any],
+                       kinds: dict[str, str]) -> dict[str, Any]:
+    """llama.cpp (llama-cpp-python): llamacpp-plain, llamacpp-prompt-lookup, then its per-token decode cost."""
+    from verispec.bench.peers import LLAMACPP_BATCH, LLAMACPP_MAX_NGRAM, LlamaCppPeers, llamacpp_context
+
+    prompts = [engine.encode(i.payload, i.chat) for i in items]
+    n_ctx = llamacpp_context([len(p) for p in prompts], opts.max_tokens, engine.config.max_len, opts.lookup_tokens)
+    peers = LlamaCppPeers.load(engine, opts.model, opts.lookup_tokens, n_ctx)
+    info: dict[str, Any] = {"library": "llama-cpp-python", "version": _version("llama-cpp-python"),
+                            "gguf": str(peers.path), "n_threads": peers.threads, "n_ctx": n_ctx,
+                            "n_batch": LLAMACPP_BATCH, "use_mmap": False, "num_pred_tokens": opts.lookup_tokens,
+                            "max_ngram_size": LLAMACPP_MAX_NGRAM, "error": None}
+    try:
+        peer_records = runner.run_items(peers.methods(), items, desc="llama.cpp peers")
+        _add_peer_records(peer_records, records, kinds)
+        try:  # a failing probe costs only its own figures
+            info.update(peers.decode_costs(prompts[0]))
+        except Exception as e:  # noqa: BLE001
+            log.warning("llama.cpp decode-cost probe failed: %s", e)
+            info["decode_costs_error"] = f"{type(e).__name__}: {e}"
+    finally:
+        peers.close()
+    return info
+
+
+def _version(package: str) -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
 
 
 def _plots(rows: list[Any], methods: list[Any], out: Path, title: str) -> list[str]:
@@ -255,7 +346,7 @@ def add_parser(sub: Any, add_engine_args: Callable[[argparse.ArgumentParser], No
     """Register ``bench`` on the CLI's subparsers (``add_engine_args`` adds --model, --draft, --dtype, ...)."""
     b = sub.add_parser("bench", help="benchmark methods against plain decoding (and peers): report.md, .json, plots",
                        description="Plain decoding runs first as the baseline, then every method, interleaved per "
-                       "prompt; peers (--peers hf) run on the same prompts afterwards, the stability suite "
+                       "prompt; peers (--peers hf,llamacpp) run on the same prompts afterwards, the stability suite "
                        "(--stability) last. --out receives report.md, report.json and PNG plots. See docs/bench.md.")
     add_engine_args(b)
     b.add_argument("--methods", default="",
@@ -282,8 +373,10 @@ def add_parser(sub: Any, add_engine_args: Callable[[argparse.ArgumentParser], No
     b.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     b.add_argument("--top-p", type=float, default=1.0)
     b.add_argument("--top-k", type=int, default=0)
-    b.add_argument("--peers", default="", help="peer libraries to compare with: hf")
-    b.add_argument("--lookup-tokens", type=int, default=10, help="hf-prompt-lookup's prompt_lookup_num_tokens")
+    b.add_argument("--peers", default="", help="peer libraries to compare with, comma-separated: hf (transformers), "
+                   "llamacpp (llama-cpp-python on the same GGUF; pip install 'verispec[llamacpp]')")
+    b.add_argument("--lookup-tokens", type=int, default=10, help="draft tokens per prompt lookup of the peers: "
+                   "hf-prompt-lookup's prompt_lookup_num_tokens, llamacpp-prompt-lookup's num_pred_tokens")
     b.add_argument("--stability", action="store_true", help="also run the stability suite")
     b.add_argument("--stability-max-tokens", type=int, default=16)
     b.add_argument("--out", default="bench_out", help="output folder")
@@ -303,6 +396,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         peers=[p.strip() for p in args.peers.split(",") if p.strip()], lookup_tokens=args.lookup_tokens,
         stability=args.stability, stability_max_tokens=args.stability_max_tokens, mt_bench_turns=args.mt_bench_turns,
         dtype=args.dtype, weights=args.weights, draft_weights=args.draft_weights, max_len=args.max_len,
-        compile=args.compile, out=args.out, progress=not args.no_progress, plots=not args.no_plots)
+        compile=args.compile, kernels=args.kernels, out=args.out, progress=not args.no_progress,
+        plots=not args.no_plots)
     run_bench(opts)
     return 0

@@ -24,7 +24,8 @@ REPORT_KEYS = ("title", "date", "settings", "models", "machine", "versions", "me
 def versions() -> dict[str, str | None]:
     """Versions of Python, the libraries that shape the figures, and the checkout's git commit."""
     out: dict[str, str | None] = {"python": platform.python_version()}
-    for pkg in ("verispec", "torch", "transformers", "tokenizers", "numpy", "rouge-score", "sacrebleu", "matplotlib"):
+    for pkg in ("verispec", "torch", "transformers", "tokenizers", "numpy", "rouge-score", "sacrebleu", "matplotlib",
+                "llama-cpp-python"):
         try:
             out[pkg] = metadata.version(pkg)
         except metadata.PackageNotFoundError:
@@ -179,24 +180,55 @@ def _memory(report: dict[str, Any]) -> str:
                           "draft increment (MiB)"], body)
 
 
+def _peer_library(name: str, lib: dict[str, Any], decoding: str) -> str:
+    """One line on how a peer library ran (or why it did not)."""
+    if lib.get("error"):
+        return f"- **{name}**: not run: {_cell(lib['error'])}"
+    if name == "hf":
+        return (f"- **hf**: transformers {lib.get('version') or ''}, same weights ({lib['dtype']}), same prompt "
+                f"token ids, {decoding}, same max_new_tokens; prompt lookup with "
+                f"prompt_lookup_num_tokens={lib['prompt_lookup_num_tokens']}.")
+    if name == "llamacpp":
+        line = (f"- **llamacpp**: llama-cpp-python {lib.get('version') or ''} on the same GGUF file "
+                f"(llama.cpp's own kernels), same prompt token ids, {decoding}, same max_tokens; "
+                f"n_threads {lib['n_threads']}, n_ctx {lib['n_ctx']}, n_batch {lib['n_batch']}; prompt lookup "
+                f"(LlamaPromptLookupDecoding) with num_pred_tokens={lib['num_pred_tokens']}, "
+                f"max_ngram_size={lib['max_ngram_size']}.")
+        if lib.get("eval_ms_per_token") is not None:
+            line += (f" Per-token decode cost after a {lib['probe_prompt_tokens']}-token prompt (median of "
+                     f"{lib['probe_tokens']}): {_f(lib['generate_ms_per_token'])} ms through Llama.generate, "
+                     f"{_f(lib['eval_ms_per_token'])} ms for Llama.eval alone, so "
+                     f"{_f(lib['python_loop_ms_per_token'])} ms of sampling and Python loop.")
+        return line
+    return f"- **{name}**"
+
+
 def _peers(report: dict[str, Any]) -> str:
     p = report["peers"]
     if p is None:
-        return "_Not run (use --peers hf)._"
+        return "_Not run (use --peers hf,llamacpp)._"
+    libs = p.get("libraries", {})
+    lines = [_peer_library(name, lib, p["decoding"]) for name, lib in libs.items()]
     if p.get("error"):
-        return f"Peers failed: {p['error']}"
-    lines = [f"Library: transformers {report['versions'].get('transformers')}, same weights ({p['dtype']}), same "
-             f"prompt token ids, {p['decoding']}, same max_new_tokens; prompt lookup with "
-             f"prompt_lookup_num_tokens={p['prompt_lookup_num_tokens']}. Their rows are in the summary above.", ""]
+        return "\n".join([f"Peers failed: {p['error']}", "", *lines])
+    lines += ["", "Their rows are in the summary above.", ""]
     swept = _swept(report)
+    vs = {plain: p.get("vs_" + plain.replace("-", "_")) or {} for plain in ("hf-plain", "llamacpp-plain")}
+    plains = [plain for plain, ratios in vs.items() if any(v is not None for v in ratios.values())]
     rows = [[r["method"], _f(r["tokens_per_s"]), _f(r["speedup"], ".2f", "x"),
-             _f(p["vs_hf_plain"].get(r["method"]), ".2f", "x")] for r in report["summary"] if r["method"] not in swept]
-    lines.append(_table(["method", "tokens/s", "vs verispec plain", "vs hf-plain"], rows))
+             *[_f(vs[plain].get(r["method"]), ".2f", "x") for plain in plains]]
+            for r in report["summary"] if r["method"] not in swept]
+    lines.append(_table(["method", "tokens/s", "vs verispec plain", *[f"vs {plain}" for plain in plains]], rows))
     if p.get("best_method"):
-        lines += ["", f"Best verispec method: **{p['best_method']}**; tokens/s ratio to hf-assisted "
-                  f"**{_f(p['best_vs_hf_assisted'], '.2f', 'x')}**, to hf-prompt-lookup "
-                  f"{_f(p['best_vs_hf_prompt_lookup'], '.2f', 'x')}, to hf-plain "
-                  f"{_f(p['best_vs_hf_plain'], '.2f', 'x')}."]
+        headline = ("hf-assisted", "llamacpp-plain")  # in bold: the strongest transformers peer, llama.cpp itself
+        ratios = []
+        for peer in ("hf-assisted", "hf-prompt-lookup", "hf-plain", "llamacpp-plain", "llamacpp-prompt-lookup"):
+            value = p.get("best_vs_" + peer.replace("-", "_"))
+            if value is not None:
+                ratios.append(f"to {peer} " + (f"**{_f(value, '.2f', 'x')}**" if peer in headline
+                                               else _f(value, ".2f", "x")))
+        if ratios:
+            lines += ["", f"Best verispec method: **{p['best_method']}**; tokens/s ratio {', '.join(ratios)}."]
     return "\n".join(lines)
 
 

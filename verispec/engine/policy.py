@@ -144,7 +144,7 @@ class CostK(KPolicy):
     ``acceptance`` starts from a prior (the engine passes what this drafter achieved on earlier
     requests), so the first steps neither trust one lucky step nor give up after one bad one.
     While k = 0 nothing is learned about acceptance, so every ``probe_every`` plain steps one
-    small probe step runs.
+    small probe step runs, unless even perfect acceptance could not pay.
 
     A model drafter that has not yet read the prompt must first catch up on it (a prefill of
     the draft): the choice weighs that one-off cost against what speculation would save over
@@ -172,8 +172,11 @@ class CostK(KPolicy):
             self._plain_streak += 1
             if self._plain_streak >= self.probe_every:
                 self._plain_streak = 0
+                # Only where drafting could pay at all: perfect acceptance beats plain decoding
+                # and wins back what the drafter must read first.
                 probe = min(self.probe_k, k_cap)
-                if probe and self._worth_catching_up(a, probe, remaining, catch_up):
+                if probe and self.costs.speed(1.0, probe) > self.costs.speed(1.0, 0) and \
+                        self._worth_catching_up(1.0, probe, remaining, catch_up):
                     k = probe
         else:
             self._plain_streak = 0
