@@ -10,6 +10,11 @@ import sys
 from pathlib import Path
 
 
+def short(label: str) -> str:
+    """A method label without a datastore path (it names the machine's cache, not the method)."""
+    return label.split(":datastore=")[0]
+
+
 def summary_table(report: dict, methods: list[str] | None = None) -> str:
     rows = [r for r in report["summary"] if methods is None or r["method"] in methods]
     out = ["| method | tokens/s | speedup vs plain | mean accepted length | acceptance | same tokens as plain |",
@@ -19,7 +24,7 @@ def summary_table(report: dict, methods: list[str] | None = None) -> str:
         return "–" if v is None else format(v, spec)
 
     for r in rows:
-        out.append(f"| {r['method']} | {r['tokens_per_s']:.2f} | {r['speedup']:.2f}x | "
+        out.append(f"| {short(r['method'])} | {r['tokens_per_s']:.2f} | {r['speedup']:.2f}x | "
                    f"{fmt(r['mean_accepted_length'], '.2f')} | {fmt(r['acceptance_rate'], '.0%')} | "
                    f"{fmt(match.get(r['method']), '.0%')} |")
     return "\n".join(out)
@@ -29,7 +34,7 @@ def category_table(report: dict) -> str:
     rows = report["per_category"]
     methods = list(dict.fromkeys(r["method"] for r in rows))
     cats = list(dict.fromkeys(r["category"] for r in rows))
-    out = ["| category | " + " | ".join(methods) + " |", "|---|" + "---:|" * len(methods)]
+    out = ["| category | " + " | ".join(map(short, methods)) + " |", "|---|" + "---:|" * len(methods)]
     for c in cats:
         cells = []
         for m in methods:
@@ -41,15 +46,24 @@ def category_table(report: dict) -> str:
 
 def main() -> None:
     root = Path(sys.argv[1])
-    for name in ("humaneval", "full"):
+    for name in ("int4", "humaneval", "full"):
         path = root / name / "report.json"
         if not path.is_file():
             continue
         report = json.loads(path.read_text())
         print(f"### {name}: {report['title']} ({report['date'][:10]})\n")
         print(summary_table(report) + "\n")
-        if name == "full":
+        if name in ("full", "int4"):
             print(category_table(report) + "\n")
+        peers = report.get("peers") or {}
+        for key in ("best_vs_llamacpp_plain", "best_vs_hf_assisted"):
+            if peers.get(key) is not None:
+                print(f"{key}: {peers[key]:.2f}x (best method {peers.get('best_method')})\n")
+    for name in ("plain_decode.md", "two_process.md", "compile_vs_eager.md", "concurrency/concurrency.md",
+                 "verify_cost/verify_cost.md"):
+        path = root / name
+        if path.is_file():
+            print(f"### {name}\n\n{path.read_text().strip()}\n")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-docs/benchmarks/$(date +%F)}
-STEPS=${STEPS:-plain humaneval full advise two_process stability concurrency verify_cost kernels int4 compile}
+STEPS=${STEPS:-plain humaneval full advise two_process stability concurrency verify_cost kernels int4 draft_cost load compile}
 V=.venv/bin/verispec
 PY=.venv/bin/python
 PAIR=(--model qwen2.5-coder-1.5b-instruct --draft qwen2.5-coder-0.5b-instruct --dtype bfloat16 --draft-weights int8)
@@ -31,9 +31,11 @@ for step in $STEPS; do
     two_process)  # issue 9: draft and target in one process vs one process each
       $PY bench/two_process.py --model qwen2.5-coder-1.5b-instruct --draft qwen2.5-coder-0.5b-instruct \
         --dtype bfloat16 --max-tokens 64 --prompts 2 --json "$OUT/two_process.json" | tee "$OUT/two_process.md" ;;
-    concurrency)  # issue 7: a short concurrency sweep
+    concurrency)  # issue 7: a concurrency sweep (1-4 with 8 requests, 8-16 with 32)
       $PY bench/concurrency.py --dtype bfloat16 --max-tokens 48 --concurrency 1,2,4 --requests 8 \
-        --out "$OUT/concurrency" ;;
+        --out "$OUT/concurrency"
+      $PY bench/concurrency.py --dtype bfloat16 --max-tokens 48 --concurrency 8,16 --requests 32 \
+        --out "$OUT/concurrency-8-16" ;;
     stability)    # issue 6: odd inputs, plain vs speculative
       $V bench "${PAIR[@]}" --methods draft,ngram --dataset humaneval --n 1 --max-tokens 16 --max-len 1024 \
         --stability --no-progress --out "$OUT/stability" ;;
@@ -48,8 +50,14 @@ for step in $STEPS; do
       $V bench "${INT4_PAIR[@]}" --methods none,draft,draft:k=3,draft:policy=cost,ngram,hybrid,retrieval:datastore="$STORE",layerskip \
         --dataset spec_bench,humaneval --per-category 3 --n 10 --seed 0 --max-tokens 64 -k 5 --peers llamacpp \
         --no-progress --out "$OUT/int4" ;;
-    compile)      # issue 5: eager vs --compile side by side
-      $PY bench/compile_vs_eager.py --json "$OUT/compile_vs_eager.json" | tee "$OUT/compile_vs_eager.md" ;;
+    draft_cost)   # issue 4: the draft cost ratio c for dense, int8 and int4 drafts (bf16 and int4 targets)
+      { $PY bench/draft_cost.py --weights dense; $PY bench/draft_cost.py --weights int4; } | tee "$OUT/draft_cost.md" ;;
+    load)         # issue 10: loading the targets from the converted cache
+      $PY bench/load_time.py --formats int4,dense | tee "$OUT/load_time.md" ;;
+    compile)      # issue 5: eager vs --compile side by side (bf16 target + int8 draft, then the int4 pair)
+      $PY bench/compile_vs_eager.py --json "$OUT/compile_vs_eager.json" | tee "$OUT/compile_vs_eager.md"
+      $PY bench/compile_vs_eager.py --weights int4 --draft-weights int4 --json "$OUT/compile_vs_eager_int4.json" \
+        | tee "$OUT/compile_vs_eager_int4.md" ;;
     *) echo "unknown step $step" >&2; exit 2 ;;
   esac
 done
