@@ -90,8 +90,15 @@ def _load(verbose: bool) -> tuple[ModuleType | None, str]:
 
             folder.mkdir(parents=True, exist_ok=True)
             logger.info("building the verispec int4/int8 kernels (once; cached in %s)", folder)
-            ext = load(name=name, sources=[str(_SOURCE)], extra_cflags=[*_CFLAGS, f"-DVS_NS={name}"],
-                       extra_ldflags=["-fopenmp"], build_directory=str(folder), verbose=verbose)
+            # The ninja that pip installed with verispec sits next to this interpreter, which is
+            # not on PATH when a virtual environment's python runs without being activated.
+            path = os.environ.get("PATH", "")
+            os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), path])
+            try:
+                ext = load(name=name, sources=[str(_SOURCE)], extra_cflags=[*_CFLAGS, f"-DVS_NS={name}"],
+                           extra_ldflags=["-fopenmp"], build_directory=str(folder), verbose=verbose)
+            finally:
+                os.environ["PATH"] = path
         except Exception as e:  # compiler missing, build error, ...
             _state["detail"] = str(e)
             return None, f"build failed ({type(e).__name__}; `python -m verispec.kernels` shows the compiler output)"
