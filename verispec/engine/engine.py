@@ -15,7 +15,7 @@ from verispec.drafters import make_drafter
 from verispec.drafters.base import Drafter
 from verispec.engine.compiled import cache_slack, compile_model
 from verispec.engine.metrics import Metrics
-from verispec.engine.policy import Acceptance, CostK, CostModel, make_policy
+from verispec.engine.policy import Acceptance, CostModel, make_policy
 from verispec.engine.step import speculative_step
 from verispec.engine.stopping import append_tokens, final_text, hit_stop, k_cap
 from verispec.errors import VerispecError
@@ -254,11 +254,11 @@ class Engine:
     def _generate_one(self, prompt: list[int], params: SamplingParams, spec: SpecConfig, drafter: Drafter | None,
                       on_tokens: Callable[[list[int]], bool | None] | None) -> GenerationResult:
         # Before the prefill and the clock: a first use of the cost policy profiles on this cache.
-        policy = make_policy(spec, self.cost_model(spec, drafter) if spec.k_policy == "cost" and drafter else None)
-        seen = None
-        if isinstance(policy, CostK):  # start from what this drafter achieved on earlier requests
-            seen = self._seen_acceptance.setdefault(repr(replace(spec, k=0)), Acceptance(decay=0.98))
-            policy.acceptance = Acceptance(prior_a=seen.rate)
+        costs = self.cost_model(spec, drafter) if spec.k_policy == "cost" and drafter else None
+        # The cost policy starts from what this drafter achieved on earlier requests.
+        seen = None if costs is None else \
+            self._seen_acceptance.setdefault(repr(replace(spec, k=0)), Acceptance(decay=0.98))
+        policy = make_policy(spec, costs, None if seen is None else seen.rate)
         m = Metrics(requests=1, prompt_tokens=len(prompt))
         t0 = time.perf_counter()
         # On the target's device: verification samples there (the draft keeps its own if elsewhere).
