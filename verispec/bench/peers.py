@@ -68,6 +68,13 @@ def load_hf_model(name_or_path: str, dtype: torch.dtype) -> Any:
     return model.eval()
 
 
+def peer_result(engine: Engine, prompt: list[int], new: list[int], finish: str, wall_s: float,
+                ttft_s: float) -> GenerationResult:
+    """A peer's generation in the engine's result form (EOS not counted as a token), so reports treat both alike."""
+    m = Metrics(requests=1, prompt_tokens=len(prompt), generated_tokens=len(new), total_s=wall_s, ttft_s=ttft_s)
+    return GenerationResult(prompt, new, engine.decode(new), finish, m)
+
+
 class _FirstTokenClock:
     """A ``generate`` streamer that notes when the first generated token arrives (the first put is the prompt)."""
 
@@ -139,10 +146,8 @@ class HFPeers:
             if tok in eos:
                 new, finish = new[:i], "stop"
                 break
-        new = new[:params.max_tokens]
-        m = Metrics(requests=1, prompt_tokens=len(prompt), generated_tokens=len(new), total_s=wall,
-                    ttft_s=(clock.first - t0) if clock.first is not None else 0.0)
-        return GenerationResult(prompt, new, self.engine.decode(new), finish, m)
+        return peer_result(self.engine, prompt, new[:params.max_tokens], finish, wall,
+                           (clock.first - t0) if clock.first is not None else 0.0)
 
     def close(self) -> None:
         """Drop the models and return their memory."""
@@ -278,9 +283,7 @@ class LlamaCppPeers:
             if len(new) >= limit:
                 break
         wall = time.perf_counter() - t0
-        m = Metrics(requests=1, prompt_tokens=len(prompt), generated_tokens=len(new), total_s=wall,
-                    ttft_s=(first - t0) if first is not None else 0.0)
-        return GenerationResult(prompt, new, self.engine.decode(new), finish, m)
+        return peer_result(self.engine, prompt, new, finish, wall, (first - t0) if first is not None else 0.0)
 
     def decode_costs(self, prompt: list[int], tokens: int = LLAMACPP_PROBE_TOKENS) -> dict[str, Any]:
         """Milliseconds per decoded token after ``prompt``, two ways, on the plain context (medians).
