@@ -1,8 +1,9 @@
-"""Weight-only int4/int8 matmul t(M), stock PyTorch kernels vs verispec's (verispec/kernels).
+"""Weight-only int4/int8 and dense bf16 matmul t(M), stock PyTorch kernels vs verispec's (verispec/kernels).
 
 Per projection shape of Qwen2.5-Coder-1.5B Q4_K_M (fused q/k/v, o and fused gate/up as int4;
 down and the 151936-row lm_head as int8, as the Q6_K tensors load; down also as int4; pass
---int8-all to time the int4 shapes as int8 too), t(M) for
+--int8-all to time the int4 shapes as int8 too), and the dense bf16 model's gate (or up) and
+down projections (stock = ``F.linear``, i.e. oneDNN), t(M) for
 M = 1..8 activation rows. Each timing cycles through enough distinct random weight copies
 that together they exceed --stream-mb (default 160 MiB, five times a 32 MiB L3), so weights
 come from DRAM as in a real forward; the median of --reps rounds is reported, with the
@@ -30,6 +31,8 @@ SHAPES = {  # name: (N, K, format), as in the Q4_K_M file (Q6_K ffn_down and out
     "down": (1536, 8960, "int8"),
     "down_int4": (1536, 8960, "int4"),
     "lm_head": (151936, 1536, "int8"),
+    "up_bf16": (8960, 1536, "bf16"),
+    "down_bf16": (1536, 8960, "bf16"),
 }
 
 
@@ -58,6 +61,16 @@ def int8_copies(n: int, k: int, count: int) -> tuple[list, list]:
         stock.append((w.qweight, w.scale))
         if kernels.available():
             fast.append((w.to_layout("vs16").qweight, w.scale))
+    return stock, fast
+
+
+def bf16_copies(n: int, k: int, count: int) -> tuple[list, list]:
+    stock, fast = [], []
+    for i in range(count):
+        w = torch.randn(n, k, generator=torch.Generator().manual_seed(i)).to(torch.bfloat16)
+        stock.append(w)
+        if kernels.available():
+            fast.append(kernels.bf16_pack(w))
     return stock, fast
 
 
@@ -94,11 +107,14 @@ def main() -> None:
     print(f"| shape [N, K] | format | kernel | {cols} | GB/s M=1 | GB/s M={ms[-1]} | t({ms[-1]})/t(1) |")
     print("|---|---|---|" + "---:|" * (len(ms) + 3))
     for name, n, k, fmt in jobs:
-        per_weight = 0.5 + 4 / 32 if fmt == "int4" else 1.0 + 2 / k  # codes + bf16 scales (and zeros)
+        per_weight = {"int4": 0.5 + 4 / 32, "int8": 1.0 + 2 / k, "bf16": 2.0}[fmt]  # + scales (and zeros)
         nbytes = n * k * per_weight
         count = max(2, math.ceil(args.stream_mb * 2**20 / nbytes))
-        stock, fast = (int4_copies if fmt == "int4" else int8_copies)(n, k, count)
-        if fmt == "int4":
+        stock, fast = {"int4": int4_copies, "int8": int8_copies, "bf16": bf16_copies}[fmt](n, k, count)
+        if fmt == "bf16":
+            runs = {"stock": (lambda x, w: torch.nn.functional.linear(x, w), stock),
+                    "fast": (lambda x, w, n=n: kernels.bf16_mm(x, w, n), fast)}
+        elif fmt == "int4":
             runs = {"stock": (lambda x, c: torch._weight_int4pack_mm_for_cpu(x, c[0], 32, c[1]), stock),
                     "fast": (lambda x, c, n=n: kernels.int4_mm(x, c[0], c[1], n), fast)}
         else:

@@ -1,7 +1,8 @@
-"""verispec's weight-only int4/int8 CPU kernels (verispec/kernels) against plain references.
+"""verispec's weight-only int4/int8 and dense bf16 CPU kernels (verispec/kernels) against plain references.
 
 The reference for every product is dequantize-then-matmul in fp32 with the activations the
-kernel sees (bf16-rounded x; fp32 x for the int8 fp32 path). Tolerances, with
+kernel sees (bf16-rounded x; fp32 x for the int8 fp32 path; the bf16 weight itself for bf16).
+Tolerances, with
 ``S = |x| @ |w|^T`` (the scale of the accumulated terms):
 
 - fp32 output: ``|y - ref| <= 1e-5 * S`` -- fp32 accumulation only (products of bf16 x and
@@ -23,9 +24,10 @@ import torch
 from test_quant import write_gguf
 from tiny import make_tiny
 
-from verispec import Engine, EngineConfig, SamplingParams, kernels
+from verispec import Engine, EngineConfig, SamplingParams, SpecConfig, kernels
 from verispec.errors import VerispecError
 from verispec.models.linear import (
+    DenseLinear,
     Int4Linear,
     Int4Weight,
     Int8Linear,
@@ -109,6 +111,18 @@ def test_int8_packers_agree(n, k):
     assert torch.equal(v.to_layout("rows").qweight, w.qweight)
 
 
+@fast_only
+@pytest.mark.parametrize("n,k", [(16, 32), (40, 6), (33, 98), (1000, 1536)])
+def test_bf16_packers_agree(n, k):
+    w = torch.randn(n, k).to(torch.bfloat16)
+    packed = kernels.bf16_pack(w)
+    padded = torch.zeros((n + 15) // 16 * 16, k, dtype=torch.bfloat16)
+    padded[:n] = w
+    assert packed.shape == ((n + 15) // 16, k // 2, 16, 2)
+    assert torch.equal(packed, padded.view(-1, 16, k // 2, 2).permute(0, 2, 1, 3))
+    assert torch.equal(kernels.bf16_unpack(packed, n, k), w)
+
+
 def test_weights_concatenate_in_either_layout():
     parts4 = [random_int4(n, 64, n) for n in (64, 16, 48)]
     ref4 = torch.cat([p.dequantize() for p in parts4])
@@ -168,7 +182,31 @@ def test_int8_kernel_matches_reference(n, k, m):
 
 
 @fast_only
-@pytest.mark.parametrize("fmt", ["int4", "int8"])
+@pytest.mark.parametrize("n,k", [(16, 32), (40, 64), (33, 98), (1000, 1536), (64, 8960)])
+@pytest.mark.parametrize("m", [*range(1, 9), 11, 17])
+def test_bf16_kernel_matches_reference(n, k, m):
+    # The weight is bf16 already, so the reference is simply the fp32 product of the same values.
+    gen = torch.Generator().manual_seed(m)
+    w = torch.randn(n, k, generator=gen).to(torch.bfloat16)
+    x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+    packed = kernels.bf16_pack(w)
+    wd = w.float()
+    ref = x.float() @ wd.t()
+    y32 = kernels.bf16_mm(x, packed, n, out_dtype=torch.float32)
+    y16 = kernels.bf16_mm(x, packed, n)
+    assert y32.dtype == torch.float32 and y16.dtype == torch.bfloat16 and y16.shape == (m, n)
+    check(y32, ref, x, wd)
+    check(y16, ref, x, wd)
+    stock = torch.nn.functional.linear(x, w).float()  # oneDNN rounds its output to bf16
+    assert (y32 - ref).abs().max() * 10 <= (stock - ref).abs().max()
+    bias = torch.randn(n, generator=gen).to(torch.bfloat16)
+    yb = kernels.bf16_mm(x, packed, n, bias, torch.float32)
+    torch.testing.assert_close(yb, y32 + bias.float(), rtol=0, atol=1e-4 * float(ref.abs().max()))
+    check(kernels.bf16_mm(x, packed, n, bias), ref + bias.float(), x, wd)  # bias added before the one rounding
+
+
+@fast_only
+@pytest.mark.parametrize("fmt", ["int4", "int8", "bf16"])
 def test_a_row_gives_the_same_bits_alone_or_with_others(fmt):
     # Verifying k+1 tokens at once must score each exactly as decoding it alone would.
     n, k = 256, 512
@@ -178,11 +216,17 @@ def test_a_row_gives_the_same_bits_alone_or_with_others(fmt):
 
         def run(rows):
             return kernels.int4_mm(rows, v.packed, v.scales_and_zeros, n)
-    else:
+    elif fmt == "int8":
         v = random_int8(n, k).to_layout("vs16")
 
         def run(rows):
             return kernels.int8_mm(rows, v.qweight, v.scale, n)
+    else:
+        lin = make_linear(torch.randn(n, k), torch.randn(n), "dense", torch.bfloat16)
+        assert isinstance(lin, DenseLinear) and lin.fast
+
+        def run(rows):
+            return lin(rows)
     together = run(x)
     for m in range(13):
         assert torch.equal(run(x[m:m + 1])[0], together[m])
@@ -210,6 +254,40 @@ def test_stock_choice_gives_the_stock_result():
     assert torch.equal(lin8(x), torch._weight_int8pack_mm(x, q8.qweight, q8.scale))
     with pytest.raises(VerispecError, match="unknown kernels"):
         make_linear(w, None, "int4", torch.bfloat16, kernels="fastest")
+
+
+def test_dense_layer_uses_the_bf16_kernel_only_where_it_should():
+    torch.manual_seed(3)
+    w, bias = torch.randn(96, 128), torch.randn(96)
+    x = torch.randn(2, 7, 128)
+    # fp32 models are untouched: a parameter and F.linear, bit for bit.
+    f32 = make_linear(w, bias, "dense", torch.float32)
+    assert isinstance(f32, DenseLinear) and not f32.fast and isinstance(f32.weight, torch.nn.Parameter)
+    assert torch.equal(f32(x), torch.nn.functional.linear(x, w, bias))
+    wb, bb, xb = w.to(torch.bfloat16), bias.to(torch.bfloat16), x.to(torch.bfloat16)
+    stock = make_linear(w, bias, "dense", torch.bfloat16, kernels="stock")
+    assert not stock.fast and torch.equal(stock(xb), torch.nn.functional.linear(xb, wb, bb))
+    fast = make_linear(w, bias, "dense", torch.bfloat16)
+    assert fast.fast == FAST
+    assert torch.equal(fast.weight, wb) and torch.equal(fast.dequantized(), wb.float())
+    if not FAST:
+        return
+    assert [n for n, _ in fast.named_parameters()] == ["bias"] and fast.packed.dtype == torch.bfloat16
+    assert "weight" not in fast._parameters  # one copy of the weight, the packed one
+    ref = xb.float() @ wb.float().t() + bb.float()
+    for rows in (1, 5, 8, 13):  # every M goes through the kernel (as int4/int8 do), shapes kept
+        xs = xb.reshape(-1, 128)[:rows]
+        y = fast(xs)
+        assert y.dtype == torch.bfloat16 and y.shape == (rows, 96)
+        check(y, ref.reshape(-1, 96)[:rows], xs, wb.float())
+    assert fast(xb).shape == (2, 7, 96)
+    # Tensor-parallel sharding slices .weight and builds new layers from the slices.
+    half = DenseLinear(fast.weight.data.chunk(2, dim=1)[1].clone(), None)
+    assert half.fast and torch.equal(half.weight, wb[:, 64:])
+    # Off the packed layout's home (another dtype or device), the plain weight comes back.
+    fast.to(torch.float32)
+    assert not fast.fast and "packed" not in dict(fast.named_buffers())
+    assert torch.equal(fast.weight, wb.float()) and fast(x).dtype == torch.float32
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -292,6 +370,29 @@ def test_bf16_int4_model_agrees_with_stock_wherever_bf16_can_tell(int4_models):
     assert decided >= 40  # of 3 x ~25 positions
 
 
+@pytest.fixture(scope="module")
+def bf16_dense_model(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("kernels") / "dense"
+    make_tiny(folder, arch="qwen2", vocab=96, layers=4, dim=64, heads=4, kv_heads=2, seed=5, scale=3.0)
+    return build_model(open_source(folder), torch.bfloat16, "dense", progress=False)
+
+
+@fast_only
+def test_bf16_speculative_decoding_matches_plain_decoding(bf16_dense_model):
+    # The point of one kernel for every M: verifying k + 1 tokens scores each exactly as decoding
+    # it alone does, so greedy speculation reproduces plain bf16 decoding token for token.
+    model = bf16_dense_model
+    lins = [m for m in model.modules() if isinstance(m, DenseLinear)]
+    assert lins and all(m.fast for m in lins) and model.lm_head in lins
+    engine = Engine(EngineConfig(model="tiny", dtype="bfloat16", max_len=96, progress=False), model, None, {1})
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    plain = [r.token_ids for r in engine.generate(PROMPTS, params)]
+    assert len({tuple(t) for t in plain}) > 1
+    for k in (3, 12):  # 12: blocks of 13 rows, past one pass of 8
+        spec = SpecConfig(method="layerskip", k=k, layers=2)
+        assert [r.token_ids for r in engine.generate(PROMPTS, params, spec=spec)] == plain, k
+
+
 def test_gguf_int4_cache_follows_the_kernels(tmp_path, monkeypatch):
     monkeypatch.setenv("VERISPEC_HOME", str(tmp_path / "home"))
     path = tmp_path / "tiny.gguf"
@@ -333,11 +434,12 @@ def test_a_failed_build_falls_back_without_raising(tmp_path, monkeypatch):
 
 
 @fast_only
-@pytest.mark.parametrize("fmt", ["int4", "int8"])
+@pytest.mark.parametrize("fmt", ["int4", "int8", "dense"])
 def test_the_kernels_compile(fmt):
     # torch.compile sees them as operators (fake implementations give shapes), not graph breaks.
     torch.manual_seed(2)
     lin = make_linear(torch.randn(64, 96), torch.randn(64), fmt, torch.bfloat16)
+    assert lin.fast
     x = torch.randn(3, 96).to(torch.bfloat16)
     torch._dynamo.reset()
     compiled = torch.compile(lin, fullgraph=True)

@@ -1,10 +1,11 @@
-"""Fast weight-only int4/int8 matmuls for a few activation rows (AVX-512 BF16 CPUs).
+"""Fast weight-only int4/int8 (and dense bf16) matmuls for a few activation rows (AVX-512 BF16 CPUs).
 
-Speculative decoding verifies M = k + 1 tokens per target forward, so the quantized
-projections should cost about the same for M = 1..8 while their weights stream from memory.
+Speculative decoding verifies M = k + 1 tokens per target forward, so the projections should
+cost about the same for M = 1..8 while their weights stream from memory.
 ``wo_gemm.cpp`` does that (see the comment at its top and docs/quantization.md): weights in
 its own packed layout, unpacked once per call into bf16 tiles that every activation row
-reuses through ``vdpbf16ps``.
+reuses through ``vdpbf16ps``. Dense bf16 weights use the same layout and loop without the unpack
+(PyTorch's oneDNN bf16 GEMV for one row reads well under the machine's bandwidth).
 
 The C++ extension is compiled once with ``torch.utils.cpp_extension`` (g++ and ninja) into
 ``$VERISPEC_HOME/kernels/`` (``make setup`` runs ``python -m verispec.kernels``) and loaded
@@ -89,7 +90,7 @@ def _load(verbose: bool) -> tuple[ModuleType | None, str]:
             from torch.utils.cpp_extension import load
 
             folder.mkdir(parents=True, exist_ok=True)
-            logger.info("building the verispec int4/int8 kernels (once; cached in %s)", folder)
+            logger.info("building the verispec int4/int8/bf16 kernels (once; cached in %s)", folder)
             # The ninja that pip installed with verispec sits next to this interpreter, which is
             # not on PATH when a virtual environment's python runs without being activated.
             path = os.environ.get("PATH", "")
@@ -122,6 +123,10 @@ def _register_fakes(namespace: str) -> None:
     def _int8(x, w, scale, n, splits, bias, out_fp32):  # noqa: ANN001, ANN202
         return out(x, n, out_fp32, x.shape[0] // splits)
 
+    @torch.library.register_fake(f"{namespace}::bf16_mm")
+    def _bf16(x, w, n, bias, out_fp32):  # noqa: ANN001, ANN202
+        return out(x, n, out_fp32, x.shape[0])
+
     global _OPS
     _OPS = getattr(torch.ops, namespace)
 
@@ -136,7 +141,7 @@ def extension(verbose: bool = False) -> ModuleType | None:
             ext, why = _load(verbose)
             _state["ext"], _state["why"] = ext, why
             if ext is None and why != "VERISPEC_KERNELS=stock":
-                logger.warning("verispec int4/int8 kernels unavailable (%s); using PyTorch's stock kernels", why)
+                logger.warning("verispec int4/int8/bf16 kernels unavailable (%s); using PyTorch's stock kernels", why)
             _EXT = ext
         return _state["ext"]
 
@@ -230,6 +235,29 @@ def int8_mm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, n: int, 
     return (_EXT or _ext()).int8_mm(xb, packed, scale, n, splits, bias, out_dtype == torch.float32)
 
 
+# -- bf16 -------------------------------------------------------------------------------------
+
+
+def bf16_pack(weight: torch.Tensor) -> torch.Tensor:
+    """bf16 [N, K] (K even) -> the kernel's layout [ceil(N/16), K/2, 16, 2], padded rows zero."""
+    return _ext().bf16_pack(weight)
+
+
+def bf16_unpack(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The bf16 [N, K] weight back (a copy)."""
+    return _ext().bf16_unpack(packed, n, k)
+
+
+def bf16_mm(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None,
+            out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """``x @ w.T (+ bias)`` for x [M, K] (cast to bf16) and a weight packed by :func:`bf16_pack`;
+    fp32 accumulation, output in ``out_dtype`` (fp32, or rounded once to bf16, bias included)."""
+    x = x.to(torch.bfloat16).contiguous()
+    if torch.compiler.is_compiling():
+        return _OPS.bf16_mm(x, packed, n, bias, out_dtype == torch.float32)
+    return (_EXT or _ext()).bf16_mm(x, packed, n, bias, out_dtype == torch.float32)
+
+
 def main() -> None:
     """``python -m verispec.kernels``: build (or find) the extension and say what the layers will use."""
     import logging
@@ -237,9 +265,9 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     ok = available()
     if ok:
-        print(f"verispec kernels: AVX-512 BF16 int4/int8 kernels ready ({build_dir()})")
+        print(f"verispec kernels: AVX-512 BF16 int4/int8/bf16 kernels ready ({build_dir()})")
     else:
-        print(f"verispec kernels: using PyTorch's stock int4/int8 kernels ({why_unavailable()})")
+        print(f"verispec kernels: using PyTorch's stock int4/int8/bf16 kernels ({why_unavailable()})")
         if _state.get("detail"):
             print(_state["detail"])
 

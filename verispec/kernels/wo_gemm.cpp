@@ -1,4 +1,4 @@
-// Weight-only int4 / int8 GEMM for a few activation rows (M = 1..8 per pass), AVX-512 BF16.
+// Weight-only int4 / int8 (and dense bf16) GEMM for a few activation rows (M = 1..8 per pass), AVX-512 BF16.
 //
 // y[m, n] = sum_k x[m, k] * w[n, k], weights streamed from memory once per call.
 //
@@ -16,6 +16,8 @@
 //   high half (PyTorch's [.., 2] order): y += scale * sum(q-8)x + zero * sum(x) per group of 32.
 // int8 layout: [ceil(N/16), K/2, 16, 2] (rows padded with zeros to a multiple of 16); a pair
 //   chunk of 32 bytes converts (sign-extend, int -> fp32 -> bf16, exact) into one tile.
+// bf16 layout: the same [ceil(N/16), K/2, 16, 2] with bf16 values: every 64 bytes are a tile as
+//   they are, so dense bf16 weights stream with the same loop and no unpacking at all.
 //
 // Every function using AVX-512 carries a target attribute, so this file is compiled without
 // -mavx512* and the library loads on any x86-64 CPU; cpu_supported() says whether to call it.
@@ -201,6 +203,71 @@ VS_AVX512 void int8_rows(const int8_t* w, const uint16_t* x, int64_t k, int64_t 
   }
 }
 
+// ---- bf16 -------------------------------------------------------------------------------
+
+// The int8 kernel without the unpack: the packed weight already is the vdpbf16ps tile.
+template <int M>
+VS_AVX512 inline void bf16_block(const uint16_t* __restrict w, const uint16_t* __restrict x, int64_t ldx,
+                                 int64_t pairs, float* __restrict out) {
+  __m512 y[M];
+  for (int m = 0; m < M; ++m) y[m] = _mm512_setzero_ps();
+  int64_t p = 0;
+  for (; p + 16 <= pairs; p += 16) {  // groups of 32 k, as for int4/int8
+    __m512 a0[M], a1[M];
+    for (int m = 0; m < M; ++m) {
+      a0[m] = _mm512_setzero_ps();
+      a1[m] = _mm512_setzero_ps();
+    }
+#pragma GCC unroll 8
+    for (int q = 0; q < 16; q += 2) {
+      const uint16_t* wp = w + (p + q) * 32;
+      // Twice the bytes per tile of int8, so one prefetch per 64-byte line.
+      _mm_prefetch(reinterpret_cast<const char*>(wp) + PREFETCH, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(wp) + PREFETCH + 64, _MM_HINT_T0);
+      const __m512i t0 = _mm512_loadu_si512(wp);
+      const __m512i t1 = _mm512_loadu_si512(wp + 32);
+#pragma GCC unroll 8
+      for (int m = 0; m < M; ++m) {
+        const int32_t* xp = reinterpret_cast<const int32_t*>(x + m * ldx) + p + q;
+        a0[m] = _mm512_dpbf16_ps(a0[m], (__m512bh)t0, (__m512bh)_mm512_set1_epi32(xp[0]));
+        a1[m] = _mm512_dpbf16_ps(a1[m], (__m512bh)t1, (__m512bh)_mm512_set1_epi32(xp[1]));
+      }
+    }
+    for (int m = 0; m < M; ++m) y[m] = _mm512_add_ps(y[m], _mm512_add_ps(a0[m], a1[m]));
+  }
+  if (p < pairs) {  // K not a multiple of 32
+    __m512 a0[M];
+    for (int m = 0; m < M; ++m) a0[m] = _mm512_setzero_ps();
+    for (; p < pairs; ++p) {
+      const __m512i t0 = _mm512_loadu_si512(w + p * 32);
+      for (int m = 0; m < M; ++m) {
+        const int32_t* xp = reinterpret_cast<const int32_t*>(x + m * ldx) + p;
+        a0[m] = _mm512_dpbf16_ps(a0[m], (__m512bh)t0, (__m512bh)_mm512_set1_epi32(xp[0]));
+      }
+    }
+    for (int m = 0; m < M; ++m) y[m] = _mm512_add_ps(y[m], a0[m]);
+  }
+  for (int m = 0; m < M; ++m) _mm512_storeu_ps(out + m * BN, y[m]);
+}
+
+VS_AVX512 void bf16_rows(const uint16_t* w, const uint16_t* x, int64_t k, int64_t rows, float* out) {
+  const int64_t pairs = k / 2;
+  for (int64_t m0 = 0; m0 < rows; m0 += MB) {
+    const uint16_t* xm = x + m0 * k;
+    float* o = out + m0 * BN;
+    switch (std::min(MB, rows - m0)) {
+      case 1: bf16_block<1>(w, xm, k, pairs, o); break;
+      case 2: bf16_block<2>(w, xm, k, pairs, o); break;
+      case 3: bf16_block<3>(w, xm, k, pairs, o); break;
+      case 4: bf16_block<4>(w, xm, k, pairs, o); break;
+      case 5: bf16_block<5>(w, xm, k, pairs, o); break;
+      case 6: bf16_block<6>(w, xm, k, pairs, o); break;
+      case 7: bf16_block<7>(w, xm, k, pairs, o); break;
+      default: bf16_block<8>(w, xm, k, pairs, o); break;
+    }
+  }
+}
+
 // ---- shared ---------------------------------------------------------------------------------
 
 // 16 values from fp32 or bf16 memory (masked to `valid`), as fp32.
@@ -348,6 +415,35 @@ torch::Tensor int8_mm(const torch::Tensor& x, const torch::Tensor& w, const torc
     std::vector<float> acc(rows * BN);
     for (int64_t b = b0; b < b1; ++b) {
       int8_rows(wp + b * k * BN, xp, k, rows, acc.data());
+      finish_block(e, acc.data(), b * BN);
+    }
+  });
+  return y;
+}
+
+
+// x: bf16 [M, K]; w: bf16 layout above, [ceil(N/16), K/2, 16, 2]. Returns [M, N] (fp32 or bf16).
+torch::Tensor bf16_mm(const torch::Tensor& x, const torch::Tensor& w, int64_t n, const c10::optional<torch::Tensor>& bias,
+                      bool out_fp32) {
+  check_cpu();
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.is_contiguous(), "x: contiguous bf16 [M, K]");
+  const int64_t m = x.size(0), k = x.size(1);
+  const int64_t blocks = (n + BN - 1) / BN;
+  TORCH_CHECK(k % 2 == 0, "bf16_mm: K must be even");
+  TORCH_CHECK(w.scalar_type() == torch::kBFloat16 && w.is_contiguous() && w.numel() == blocks * BN * k,
+              "bf16_mm: packed w");
+  auto y = torch::empty({m, n}, x.options().dtype(out_fp32 ? torch::kFloat : torch::kBFloat16));
+  if (m == 0 || n == 0) return y;
+  Epilogue e;
+  e.n = n;
+  e.rows = m;
+  set_epilogue_out(e, y, bias);
+  const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr());
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  at::parallel_for(0, blocks, grain_for(k * BN * 2), [&](int64_t b0, int64_t b1) {
+    std::vector<float> acc(m * BN);
+    for (int64_t b = b0; b < b1; ++b) {
+      bf16_rows(wp + b * k * BN, xp, k, m, acc.data());
       finish_block(e, acc.data(), b * BN);
     }
   });
@@ -555,6 +651,34 @@ torch::Tensor int8_unpack(const torch::Tensor& packed, int64_t n, int64_t k) {
       .contiguous();
 }
 
+// bf16 [N, K] (K even) -> [ceil(N/16), K/2, 16, 2], rows padded with zeros: a transpose of 32-bit
+// k-pairs per 16-row block (once, at load).
+torch::Tensor bf16_pack(const torch::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kBFloat16 && w.size(1) % 2 == 0, "w: bf16 [N, K], K even");
+  const auto c = w.contiguous();
+  const int64_t n = c.size(0), k = c.size(1), blocks = (n + BN - 1) / BN, pairs = k / 2;
+  auto out = torch::empty({blocks, pairs, BN, 2}, c.options());
+  const auto* src = reinterpret_cast<const uint32_t*>(c.data_ptr());
+  auto* dst = reinterpret_cast<uint32_t*>(out.data_ptr());
+  at::parallel_for(0, blocks, 16, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t rows = std::min<int64_t>(BN, n - b * BN);
+      const uint32_t* s = src + b * BN * pairs;
+      uint32_t* d = dst + b * BN * pairs;
+      for (int64_t p = 0; p < pairs; ++p)
+        for (int64_t r = 0; r < BN; ++r) d[p * BN + r] = r < rows ? s[r * pairs + p] : 0;
+    }
+  });
+  return out;
+}
+
+torch::Tensor bf16_unpack(const torch::Tensor& packed, int64_t n, int64_t k) {
+  const int64_t blocks = (n + BN - 1) / BN;
+  TORCH_CHECK(packed.scalar_type() == torch::kBFloat16 && packed.numel() == blocks * BN * k, "bf16_unpack: packed w");
+  return packed.contiguous().view({blocks, k / 2, BN, 2}).permute({0, 2, 1, 3}).reshape({blocks * BN, k}).narrow(0, 0, n)
+      .contiguous();
+}
+
 }  // namespace
 
 // The matmuls as PyTorch operators too, so torch.compile keeps them in its graphs (the Python side
@@ -566,23 +690,29 @@ torch::Tensor int8_unpack(const torch::Tensor& packed, int64_t n, int64_t k) {
 TORCH_LIBRARY(VS_NS, m) {
   m.def("int4_mm(Tensor x, Tensor w, Tensor sz, int n, Tensor? bias, bool out_fp32) -> Tensor");
   m.def("int8_mm(Tensor x, Tensor w, Tensor scale, int n, int splits, Tensor? bias, bool out_fp32) -> Tensor");
+  m.def("bf16_mm(Tensor x, Tensor w, int n, Tensor? bias, bool out_fp32) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(VS_NS, CPU, m) {
   m.impl("int4_mm", &int4_mm);
   m.impl("int8_mm", &int8_mm);
+  m.impl("bf16_mm", &bf16_mm);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "verispec weight-only int4/int8 GEMM for small M (AVX-512 BF16)";
+  m.doc() = "verispec weight-only int4/int8 and bf16 GEMM for small M (AVX-512 BF16)";
   m.def("cpu_supported", &cpu_supported, "whether this CPU runs the kernels (AVX-512 F/BW/VL/DQ/BF16)");
   m.def("int4_mm", &int4_mm, "y = x @ dequant(w).T", py::arg("x"), py::arg("w"), py::arg("sz"), py::arg("n"),
         py::arg("bias") = py::none(), py::arg("out_fp32") = false);
   m.def("int8_mm", &int8_mm, "y = x @ (q * scale).T", py::arg("x"), py::arg("w"), py::arg("scale"), py::arg("n"),
         py::arg("splits") = 1, py::arg("bias") = py::none(), py::arg("out_fp32") = false);
+  m.def("bf16_mm", &bf16_mm, "y = x @ w.T", py::arg("x"), py::arg("w"), py::arg("n"), py::arg("bias") = py::none(),
+        py::arg("out_fp32") = false);
   m.def("int4_pack", &int4_pack, "codes [N, K] -> int4 layout");
   m.def("int4_unpack", &int4_unpack, "int4 layout -> codes [N, K]");
   m.def("int4_from_stock", &int4_from_stock, "PyTorch CPU int4 layout -> int4 layout");
   m.def("int8_pack", &int8_pack, "int8 [N, K] -> int8 layout");
   m.def("int8_unpack", &int8_unpack, "int8 layout -> int8 [N, K]");
+  m.def("bf16_pack", &bf16_pack, "bf16 [N, K] -> bf16 layout");
+  m.def("bf16_unpack", &bf16_unpack, "bf16 layout -> bf16 [N, K]");
 }

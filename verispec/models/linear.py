@@ -8,9 +8,9 @@ codes in groups of 32 input channels with a bf16 scale and zero point per group 
 PyTorch's tinygemm-style kernel (``_weight_int4pack_mm_for_cpu``; ``_weight_int4pack_mm`` on
 CUDA), a quarter of the bytes of bf16 plus 1/8 byte per weight of scales. See docs/quantization.md.
 
-On CPUs with AVX-512 BF16 both quantized layers run verispec's own kernels instead
-(:mod:`verispec.kernels`: weights repacked at load into the kernel's layout, cost nearly flat
-over M = 1..8 rows); ``kernels="stock"`` keeps PyTorch's.
+On CPUs with AVX-512 BF16 both quantized layers, and dense bf16 ones, run verispec's own
+kernels instead (:mod:`verispec.kernels`: weights repacked at load into the kernel's layout, cost
+nearly flat over M = 1..8 rows); ``kernels="stock"`` keeps PyTorch's.
 """
 
 from __future__ import annotations
@@ -31,13 +31,58 @@ INT4_GROUP = 32
 
 
 class DenseLinear(nn.Module):
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """``x @ weight.T + bias`` in the weight's dtype.
+
+    A bf16 weight on a CPU with the fast kernels (``kernels="auto"``) is held only in
+    :mod:`verispec.kernels`' layout (buffer ``packed``, [ceil(N/16), K/2, 16, 2]) and every
+    product, whatever M, runs :func:`~verispec.kernels.bf16_mm`, as :class:`Int8Linear` does
+    with its kernel: PyTorch's matmul would need the [N, K] weight, and unpacking it per call
+    costs several times the matmul, while keeping both copies would double the model's memory.
+    One kernel for every M also keeps each row's result independent of what it is batched
+    with (speculative verification = plain decoding, bit for bit). ``weight`` then unpacks on
+    access (a copy, for tensor-parallel slicing and inspection; not for hot paths).
+    fp32 (and other) weights stay an ``nn.Parameter`` and ``F.linear``, as before.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernels: str = "auto") -> None:
         super().__init__()
-        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.out_features, self.in_features = weight.shape
+        self.fast = (weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and self.in_features % 2 == 0
+                     and fast_kernels.use_fast(kernels))
+        if self.fast:
+            self.register_buffer("packed", fast_kernels.bf16_pack(weight))
+        else:
+            self.weight = nn.Parameter(weight, requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
+    @property
+    def weight(self) -> torch.Tensor:
+        if self.fast:
+            return fast_kernels.bf16_unpack(self.packed, self.out_features, self.in_features)
+        w = self._parameters.get("weight")
+        if w is None:  # nn.Module's hasattr check while the parameter is being registered
+            raise AttributeError("weight")
+        return w
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fast and x.dtype == torch.bfloat16:
+            shape = x.shape
+            y = fast_kernels.bf16_mm(x.reshape(-1, shape[-1]), self.packed, self.out_features, self.bias)
+            return y.reshape(*shape[:-1], -1)
         return F.linear(x, self.weight, self.bias)
+
+    def dequantized(self) -> torch.Tensor:
+        return self.weight.float()
+
+    def _apply(self, fn, recurse=True):  # noqa: ANN001, ANN202 - nn.Module's signature
+        # The packed layout is CPU- and bf16-only: anything else gets the plain weight back first.
+        moved = fn(torch.empty(0, dtype=torch.bfloat16)) if self.fast else None
+        if moved is not None and (moved.device.type != "cpu" or moved.dtype != torch.bfloat16):
+            w = self.weight
+            del self._buffers["packed"]
+            self.fast = False
+            self.weight = nn.Parameter(w, requires_grad=False)
+        return super()._apply(fn, recurse)
 
 
 @dataclass
@@ -433,7 +478,8 @@ def make_linear(weight: torch.Tensor | QuantizedTensor | Int4Weight | Int8Weight
     ``weight`` is a float tensor, or already quantized: an :class:`Int4Weight` / :class:`Int8Weight`
     is used as it is, a :class:`QuantizedTensor` (4-bit codes, e.g. from Q4_K) becomes int4
     without a float detour, or is dequantized for the other formats. ``kernels`` picks the int4/int8
-    matmul: ``"auto"`` (verispec's kernels where the CPU runs them, else PyTorch's) or ``"stock"``.
+    (and dense bf16) matmul: ``"auto"`` (verispec's kernels where the CPU runs them, else PyTorch's)
+    or ``"stock"``.
     """
     if kernels not in fast_kernels.KERNEL_CHOICES:
         raise VerispecError(f"unknown kernels '{kernels}' (choose from {', '.join(fast_kernels.KERNEL_CHOICES)})")
@@ -453,5 +499,5 @@ def make_linear(weight: torch.Tensor | QuantizedTensor | Int4Weight | Int8Weight
     if isinstance(weight, QuantizedTensor):
         weight = weight.dequantize()
     if fmt == "dense":
-        return DenseLinear(weight.to(dtype), None if bias is None else bias.to(dtype))
+        return DenseLinear(weight.to(dtype), None if bias is None else bias.to(dtype), kernels)
     return Int8Linear(weight, bias, dtype, kernels)
