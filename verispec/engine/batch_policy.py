@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from verispec.engine.metrics import sync
 from verispec.engine.policy import expected_tokens
 from verispec.models.llama import Transformer
 
@@ -172,15 +173,10 @@ def _time_grid(model: Transformer, batch_sizes: list[int], widths: range | tuple
             pos = (context + torch.arange(m, device=device)).expand(b, -1)
             times = []
             for _ in range(reps + 1):  # the first run warms up this shape
-                _sync(device)
+                sync(device)
                 t0 = time.perf_counter()
                 model(tokens, pos, cache, rows=slice(0, b))
-                _sync(device)
+                sync(device)
                 times.append(time.perf_counter() - t0)
             samples.setdefault(b * m, []).append(sorted(times[1:])[reps // 2])
     return {t: sum(v) / len(v) for t, v in samples.items()}
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)

@@ -22,7 +22,7 @@ import torch
 
 from verispec.drafters.base import Drafter, Proposal
 from verispec.engine.batch_draft import BatchDraftModel, DraftRow
-from verispec.engine.metrics import Metrics
+from verispec.engine.metrics import Metrics, sync
 from verispec.models.kv_cache import KVCache
 from verispec.models.llama import Transformer
 from verispec.sampling import SamplingParams, probs_from_logits
@@ -106,8 +106,7 @@ def batched_step(target: Transformer, cache: KVCache, rows: list[Row],
     pos = torch.tensor(starts).unsqueeze(1) + torch.arange(width)
     logits = target(tokens.to(target.device), pos.to(target.device), cache, kv_len=int(pos.max()) + 1,
                      rows=slice(lo, hi))
-    if logits.device.type == "cuda":  # charge the forward to "score", not to the first sync in "verify"
-        torch.cuda.synchronize(logits.device)
+    sync(logits.device)  # charge the forward to "score", not to the first sync in "verify"
     t2 = time.perf_counter()
 
     # 3. Verify each row against its own slice of the logits, with its own generator.

@@ -8,8 +8,20 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import torch
+
 STAGES = ("prefill", "propose", "score", "verify")
 
+
+
+def sync(device: torch.device | None = None) -> None:
+    """Wait for queued GPU work, so a host clock charges it to the stage that launched it.
+
+    Kernel launches return at once on CUDA: without this, a forward's time would land in
+    whichever later stage first reads its result. A no-op where CUDA was never used.
+    """
+    if torch.cuda.is_initialized() and (device is None or device.type == "cuda"):
+        torch.cuda.synchronize(device)
 
 @dataclass
 class Metrics:
@@ -48,10 +60,12 @@ class Metrics:
 
     @contextmanager
     def timed(self, stage: str) -> Iterator[None]:
+        sync()
         t0 = time.perf_counter()
         try:
             yield
         finally:
+            sync()
             self.stage_s[stage] += time.perf_counter() - t0
 
     @property
