@@ -8,7 +8,7 @@ import random
 import pytest
 
 from verispec.advise import advise, format_advice
-from verispec.engine.policy import Acceptance, CostK, CostModel, expected_tokens
+from verispec.engine.policy import Acceptance, AnswerLengths, CostK, CostModel, expected_tokens
 
 
 def test_expected_tokens_matches_the_geometric_sum():
@@ -88,6 +88,47 @@ def test_a_draft_prefill_does_not_count_as_draft_cost():
     policy.choose(5, remaining=1000, catch_up=1)  # an ordinary step: its timing counts
     policy.update(2, 2, 2, propose_s=0.04, score_s=0.1)
     assert costs.draft_s == pytest.approx(0.011)
+
+
+def test_answer_lengths_estimate_the_tokens_still_to_come():
+    lengths = AnswerLengths(window=4)
+    assert lengths.expected_remaining(0, 64) == 64  # no history: the limit
+    for n in (20, 30):
+        lengths.add(n, cut=False)
+    assert lengths.expected_remaining(0, 64) == 25
+    assert lengths.expected_remaining(25, 39) == 5  # only answers longer than 25 tokens say how long it goes on
+    assert lengths.expected_remaining(40, 24) == 24  # longer than every answer seen: the limit again
+    lengths.add(64, cut=True)  # cut by its limit: it would have run at least that long
+    assert lengths.expected_remaining(0, 200) == round((20 + 30 + 200) / 3)
+    for n in (5, 5, 5):
+        lengths.add(n, cut=False)
+    assert list(lengths.recent) == [(64, True), (5, False), (5, False), (5, False)]  # a window of the latest
+
+
+def test_the_engine_gives_the_cost_policy_the_expected_answer_length(qwen2_tiny, qwen2_draft_tiny, monkeypatch):
+    # With a history of short answers the horizon a draft prefill must pay back over is what
+    # answers usually take, not max_tokens.
+    import verispec.engine.engine as engine_module
+    from verispec import Engine, SamplingParams, SpecConfig
+
+    seen: list[int | None] = []
+
+    class Spy(CostK):
+        def choose(self, k_cap: int, remaining: int | None = None, catch_up: int = 0) -> int:
+            seen.append(remaining)
+            return 0
+
+    monkeypatch.setattr(engine_module, "make_policy", lambda spec, costs, prior: Spy(costs, k_max=spec.k))
+    engine = Engine.from_pretrained(qwen2_tiny.path, draft=qwen2_draft_tiny.path, dtype="float32", max_len=256,
+                                    progress=False)
+    spec, params = SpecConfig("draft", k=4, k_policy="cost"), SamplingParams(max_tokens=40, ignore_eos=True)
+    engine.generate([3, 4, 5, 6], params, spec)
+    assert seen[0] == 40 and seen[-1] == 1  # no history yet: the limit, counting down
+    for _ in range(3):
+        engine.answer_lengths.add(6, cut=False)
+    seen.clear()
+    engine.generate([3, 4, 5, 6], params, spec)
+    assert seen[0] == round((40 + 3 * 6) / 4)  # the first answer ran to its limit, three stopped at 6
 
 
 def test_advise_on_tiny_models(qwen2_tiny, qwen2_draft_tiny, tmp_path):

@@ -248,8 +248,11 @@ def test_policy_speculates_alone_and_not_when_compute_bound():
 def test_policy_picks_k0_in_the_engine_when_compute_bound(engine, reference):
     spec = SPECS["draft-cost"]
     be = BatchEngine(engine, max_batch=8, costs=BatchCostModel(CostCurve({1: 1e-3, 100: 0.1}, smoothing=0)))
+    engine.answer_lengths.recent.clear()
     results = be.generate_batch(PROMPTS, PARAMS, spec)
     assert [r.token_ids for r in results] == reference["draft-cost"]
+    # Finished requests teach the engine how long answers run (the policy's horizon).
+    assert sorted(n for n, _ in engine.answer_lengths.recent) == sorted(len(r.token_ids) for r in results)
     assert set(be.stats.policy_k) == {0}
     assert all(set(r.metrics.k_chosen) == {0} for r in results)
 
@@ -261,9 +264,39 @@ def test_policy_picks_k0_in_the_engine_when_compute_bound(engine, reference):
     assert be.stats.summary()["policy_k"] == be.stats.policy_k
 
 
+def test_policy_keeps_a_row_plain_when_its_draft_catch_up_cannot_pay_back():
+    costs = BatchCostModel(CostCurve({1: 0.1, 64: 0.1}, smoothing=0), CostCurve({1: 0.01}, smoothing=0),
+                           catch_up_per_token_s=0.005)
+    policy = BatchPolicy(costs)
+    # Both rows must read 500 prompt tokens (2.5 s) first; drafting saves a few hundredths of a
+    # second per token: over 10 tokens that never pays, over 1000 it does.
+    short = RowPlan(cap=5, acceptance=0.8, catch_up=500, horizon=10)
+    long = RowPlan(cap=5, acceptance=0.8, catch_up=500, horizon=1000)
+    caught_up = RowPlan(cap=5, acceptance=0.8, catch_up=0, horizon=10)
+    assert policy.choose([short, long, caught_up]) > 0
+    assert (short.cap, long.cap, caught_up.cap) == (0, 5, 5)
+    alone = RowPlan(cap=5, acceptance=0.8, catch_up=500, horizon=10)
+    assert policy.choose([alone]) == 0 and alone.cap == 0
+    # Without a measured catch-up cost (lookup drafters) nothing is excluded.
+    free = BatchPolicy(BatchCostModel(costs.target, costs.draft))
+    row = RowPlan(cap=5, acceptance=0.8, catch_up=500, horizon=10)
+    assert free.choose([row]) > 0 and row.cap == 5
+
+
+def test_cost_curve_learns_between_profiled_points_only():
+    curve = CostCurve({1: 1.0, 5: 2.0}, smoothing=0.5)
+    curve.observe(4, 2.75)  # read 1.75 there: an error of 1.0, shared 1/4 : 3/4 by the neighbours
+    assert curve.points == {1: 1.125, 5: 2.375}
+    curve.observe(9, 100.0)  # outside the profiled range: ignored
+    assert curve.points == {1: 1.125, 5: 2.375}
+    curve.observe(5, 2.375 + 1.0)
+    assert curve.points[5] == 2.875
+
+
 def test_profiled_costs_are_monotone(engine):
     be = BatchEngine(engine, max_batch=4)
     costs = be.profile(k_max=3, context=16)
+    assert costs.catch_up_per_token_s > 0
     assert set(costs.target.points) >= {1, 4, 16}
     assert costs.draft is not None
     values = [costs.target(t) for t in range(1, 40)]

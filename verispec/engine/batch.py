@@ -519,7 +519,12 @@ class BatchEngine:
                 continue
             cap = k_cap(req.spec.k, req.params, len(req.out), room) if row.speculates else 0
             if req.acceptance is not None:
-                plans.append(RowPlan(cap, req.acceptance.rate, model_draft=row.model_draft))
+                catch_up = self.draft_model.catch_up_needed(row.slot, row.seq) \
+                    if row.model_draft and self.draft_model is not None else 0
+                horizon = self.engine.answer_lengths.expected_remaining(
+                    len(req.out), min(req.params.max_tokens - len(req.out), room))
+                plans.append(RowPlan(cap, req.acceptance.rate, model_draft=row.model_draft, catch_up=catch_up,
+                                     horizon=horizon))
             else:
                 row.k = req.kpolicy.choose(cap) if req.kpolicy is not None and row.speculates else 0
                 plans.append(RowPlan(cap, None, row.k, model_draft=row.model_draft))
@@ -538,6 +543,10 @@ class BatchEngine:
         self.stats.record(report, policy_k)
         if self.costs is not None:
             self.costs.target.observe(report.scored_tokens, report.score_s)
+            self.costs.observe_catch_up(report.catch_up_tokens, report.catch_up_s)
+            if self.costs.draft is not None and report.draft_forwards:
+                per_forward = (report.propose_s - report.catch_up_s) / report.draft_forwards
+                self.costs.draft.observe(report.span, per_forward)
         now = time.perf_counter()
         for i, req in enumerate(stepping):
             if req.done:  # cancelled by an earlier request's callback during this loop
@@ -573,6 +582,8 @@ class BatchEngine:
     def _finish(self, req: _Request, reason: str) -> None:
         req.done = True
         self._by_handle.pop(req.handle, None)
+        if reason != "cancelled":
+            self.engine.answer_lengths.add(len(req.out), cut=reason == "length")
         if req.row is not None:
             slot = req.row.slot
             del self._running[slot]

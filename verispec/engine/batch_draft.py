@@ -16,11 +16,13 @@ read before they are overwritten (the same argument as the cache's O(1) rollback
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
 
 from verispec.drafters.base import Proposal
+from verispec.engine.metrics import sync
 from verispec.models.llama import Transformer
 from verispec.sampling import SamplingParams, probs_from_logits, sample
 
@@ -52,6 +54,8 @@ class BatchDraftModel:
         # Draft and target embeddings may differ in padding rows; q must live on the target's vocabulary.
         self.vocab_size = vocab_size or model.args.vocab_size
         self.forwards = 0  # lockstep forwards run (the policy's draft cost is per forward)
+        self.catch_up_tokens = 0  # context read by rows catching up alone, and the seconds it took
+        self.catch_up_s = 0.0
         # Per slot: (the request's generator, a generator of our own on the draft's device).
         self._local_gens: dict[int, tuple[torch.Generator, torch.Generator]] = {}
 
@@ -70,6 +74,11 @@ class BatchDraftModel:
             seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device))
             own = self._local_gens[slot] = (generator, torch.Generator(device=device).manual_seed(seed))
         return own[1]
+
+    def catch_up_needed(self, slot: int, seq: list[int]) -> int:
+        """Tokens of ``seq`` the row in ``slot`` must read alone before drafting (0: it keeps up in lockstep)."""
+        lag = len(seq) - min(self.cache.lengths[slot], len(seq) - 1)
+        return lag - 1 if lag > MAX_LOCKSTEP_FEED else 0
 
     def commit(self, slot: int, n_valid: int) -> None:
         """The first ``n_valid`` tokens of ``slot``'s sequence are final."""
@@ -91,8 +100,13 @@ class BatchDraftModel:
                 # A long lag: catch up alone (prefill-like, logits of the last position only).
                 lag = r.seq[start:-1]
                 pos = torch.arange(start, start + len(lag), device=device).unsqueeze(0)
+                sync(device)
+                t0 = time.perf_counter()
                 self.model(torch.tensor([lag], device=device), pos, self.cache, rows=slice(r.slot, r.slot + 1),
                            last_only=True)
+                sync(device)
+                self.catch_up_s += time.perf_counter() - t0
+                self.catch_up_tokens += len(lag)
                 start = lengths[r.slot] = len(r.seq) - 1
             feeds[r.slot] = r.seq[start:]
         active = [r for r in rows if r.k > 0]

@@ -57,14 +57,27 @@ class CostCurve:
         return ys[i - 1] + w * (ys[i] - ys[i - 1])
 
     def observe(self, tokens: int, seconds: float) -> None:
-        """Fold one measured forward into the point at ``tokens``, if that point was profiled.
+        """Fold one measured forward into the curve.
 
-        Only profiled points learn: a lone observation at a new point would enter at full weight,
-        and one slow outlier there would lift the (monotone) curve for every larger size.
+        Only profiled points learn: an observation between two of them corrects both, each by
+        its interpolation weight; one outside the profiled range is ignored (a lone point there
+        would enter at full weight, and one slow outlier would lift the monotone curve for every
+        larger size).
         """
-        old = self.points.get(tokens)
-        if old is not None and self.smoothing > 0:
-            self.points[tokens] = old + self.smoothing * (seconds - old)
+        if self.smoothing <= 0:
+            return
+        xs = sorted(self.points)
+        if tokens in self.points:
+            weights = {tokens: 1.0}
+        elif xs[0] < tokens < xs[-1]:
+            i = bisect_left(xs, tokens)
+            w = (tokens - xs[i - 1]) / (xs[i] - xs[i - 1])
+            weights = {xs[i - 1]: 1.0 - w, xs[i]: w}
+        else:
+            return
+        error = seconds - sum(self.points[x] * w for x, w in weights.items())
+        for x, w in weights.items():
+            self.points[x] += self.smoothing * w * error
 
 
 @dataclass
@@ -76,6 +89,15 @@ class BatchCostModel:
 
     target: CostCurve
     draft: CostCurve | None = None
+    # Seconds per token for the draft model to read context it has not seen (a new row's prompt,
+    # or what a row generated while it decoded plainly): a one-off cost per row, not per step.
+    catch_up_per_token_s: float = 0.0
+    smoothing: float = 0.1
+
+    def observe_catch_up(self, tokens: int, seconds: float) -> None:
+        """Fold in a measured catch-up of ``tokens`` tokens."""
+        if tokens > 0:
+            self.catch_up_per_token_s += self.smoothing * (seconds / tokens - self.catch_up_per_token_s)
 
     def step_s(self, rows: int, k: int, draft_k: int | None = None) -> float:
         """Predicted seconds of one step of ``rows`` rows padded to ``k`` drafts each.
@@ -95,6 +117,8 @@ class RowPlan:
     acceptance: float | None = None  # None: the row's k is fixed (``fixed_k``)
     fixed_k: int = 0
     model_draft: bool = True  # drafts with the draft model (costs forwards), not a lookup
+    catch_up: int = 0  # tokens the draft model must read for this row before it can draft
+    horizon: int | None = None  # tokens the row is expected to still produce (None: unknown)
 
 
 @dataclass
@@ -125,12 +149,26 @@ class BatchPolicy:
         return tokens / self.costs.step_s(span or len(plans), width, draft_k)
 
     def choose(self, plans: list[RowPlan], span: int | None = None) -> int:
-        """k for the governed rows of the next step (each still capped by its own ``cap``)."""
+        """k for the governed rows of the next step (each still capped by its own ``cap``).
+
+        A governed row whose draft model must first catch up on context joins only if the
+        batch's predicted saving per token, over the tokens the row is expected to produce, wins
+        the catch-up back (as :class:`~verispec.engine.policy.CostK` does for one request);
+        otherwise its ``cap`` is set to 0 and it decodes plainly this step.
+        """
         governed = [p.cap for p in plans if p.acceptance is not None]
         if not governed:
             return 0
-        k_max = max(governed)
-        k = max(range(k_max + 1), key=lambda k: (self.goodput(plans, k, span), -k))
+        k = self._best_k(plans, span)
+        if k > 0 and self.costs.catch_up_per_token_s > 0:
+            n = span or len(plans)
+            saved = self.costs.step_s(n, 0) / len(plans) - 1.0 / self.goodput(plans, k, span)
+            for p in plans:
+                if p.acceptance is not None and p.model_draft and p.catch_up > 0 and p.horizon is not None and \
+                        saved * p.horizon <= self.costs.catch_up_per_token_s * p.catch_up:
+                    p.cap = 0
+            k = self._best_k(plans, span)
+        k_max = max(p.cap for p in plans if p.acceptance is not None)
         if k == 0:
             self._plain_streak += 1
             if self._plain_streak >= self.probe_every:
@@ -142,6 +180,10 @@ class BatchPolicy:
             self._plain_streak = 0
         self.chosen[k] = self.chosen.get(k, 0) + 1
         return k
+
+    def _best_k(self, plans: list[RowPlan], span: int | None) -> int:
+        k_max = max(p.cap for p in plans if p.acceptance is not None)
+        return max(range(k_max + 1), key=lambda k: (self.goodput(plans, k, span), -k))
 
 
 @torch.inference_mode()
@@ -156,7 +198,20 @@ def profile_costs(target: Transformer, draft: Transformer | None, max_rows: int,
     batch_sizes = sorted({1 << i for i in range(max_rows.bit_length()) if 1 << i <= max_rows} | {max_rows})
     target_pts = _time_grid(target, batch_sizes, range(1, k_max + 2), context, reps)
     draft_pts = _time_grid(draft, batch_sizes, (1,), context, reps) if draft is not None else None
-    return BatchCostModel(CostCurve(target_pts), CostCurve(draft_pts) if draft_pts else None)
+    catch_up = 0.0
+    if draft is not None:  # one row reading a context-token prompt, as a new row's catch-up does
+        cache = draft.new_cache(1, context)
+        tokens = ((torch.arange(context, device=draft.device) * 7 + 3) % draft.args.vocab_size).unsqueeze(0)
+        pos = torch.arange(context, device=draft.device).unsqueeze(0)
+        times = []
+        for _ in range(reps + 1):
+            sync(draft.device)
+            t0 = time.perf_counter()
+            draft(tokens, pos, cache, last_only=True)
+            sync(draft.device)
+            times.append(time.perf_counter() - t0)
+        catch_up = min(times[1:]) / context
+    return BatchCostModel(CostCurve(target_pts), CostCurve(draft_pts) if draft_pts else None, catch_up)
 
 
 def _time_grid(model: Transformer, batch_sizes: list[int], widths: range | tuple[int, ...], context: int,

@@ -61,12 +61,14 @@ class StepReport:
     span: int  # cache rows the target forward covered (rows plus holes between them)
     width: int  # the padded number of positions per row (max k + 1)
     draft_forwards: int
-    propose_s: float
+    propose_s: float  # catch-ups included
     score_s: float
     verify_s: float
     new_tokens: list[list[int]] = field(default_factory=list)  # per row: its 1..k+1 new tokens
     drafted: list[int] = field(default_factory=list)  # per row
     accepted: list[int] = field(default_factory=list)  # per row
+    catch_up_tokens: int = 0  # context the draft model read for rows catching up alone, and its seconds
+    catch_up_s: float = 0.0
 
     @property
     def scored_tokens(self) -> int:
@@ -81,6 +83,7 @@ def batched_step(target: Transformer, cache: KVCache, rows: list[Row],
     t0 = time.perf_counter()
     proposals = [Proposal([])] * len(rows)
     forwards_before = draft_model.forwards if draft_model is not None else 0
+    caught_before = (draft_model.catch_up_tokens, draft_model.catch_up_s) if draft_model is not None else (0, 0.0)
     model_rows = [i for i, r in enumerate(rows) if r.model_draft and r.k > 0]
     if model_rows:
         assert draft_model is not None, "model-drafting rows need the batch's draft model"
@@ -131,6 +134,9 @@ def batched_step(target: Transformer, cache: KVCache, rows: list[Row],
     t3 = time.perf_counter()
     report.verify_s = t3 - t2
     report.draft_forwards = (draft_model.forwards - forwards_before) if draft_model is not None else 0
+    if draft_model is not None:
+        report.catch_up_tokens = draft_model.catch_up_tokens - caught_before[0]
+        report.catch_up_s = draft_model.catch_up_s - caught_before[1]
     # Each request waited for the whole step, so each is charged every stage's full time.
     for r in rows:
         for stage, s in (("propose", report.propose_s), ("score", report.score_s), ("verify", report.verify_s)):

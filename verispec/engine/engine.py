@@ -15,7 +15,7 @@ from verispec.drafters import make_drafter
 from verispec.drafters.base import Drafter
 from verispec.engine.compiled import cache_slack, compile_model
 from verispec.engine.metrics import Metrics, sync
-from verispec.engine.policy import Acceptance, CostModel, make_policy
+from verispec.engine.policy import Acceptance, AnswerLengths, CostModel, make_policy
 from verispec.engine.step import speculative_step
 from verispec.engine.stopping import append_tokens, final_text, hit_stop, k_cap
 from verispec.errors import VerispecError
@@ -91,6 +91,7 @@ class Engine:
         self._costs: dict[str, CostModel] = {}
         # Per drafter, over all requests: where a new request's acceptance estimate starts.
         self._seen_acceptance: dict[str, Acceptance] = {}
+        self.answer_lengths = AnswerLengths()  # how long answers run: the cost policy's horizon
 
     @classmethod
     def from_pretrained(cls, model: str, draft: str | None = None, **kwargs: Any) -> Engine:
@@ -284,8 +285,8 @@ class Engine:
                 finish = "length"
                 break
             cap = k_cap(spec.k, params, len(out), room)
-            k = policy.choose(cap, min(params.max_tokens - len(out), room), drafter.catch_up_tokens(seq)) \
-                if drafter is not None else 0
+            horizon = self.answer_lengths.expected_remaining(len(out), min(params.max_tokens - len(out), room))
+            k = policy.choose(cap, horizon, drafter.catch_up_tokens(seq)) if drafter is not None else 0
             drafted, accepted, propose_s, score_s = m.drafted, m.accepted, m.stage_s["propose"], m.stage_s["score"]
             new = speculative_step(self.target, self.cache, seq, drafter, k, params, generator, m)
             policy.update(k, m.drafted - drafted, m.accepted - accepted, m.stage_s["propose"] - propose_s,
@@ -300,6 +301,8 @@ class Engine:
                 finish = "cancelled"
         m.generated_tokens = len(out)
         m.total_s = time.perf_counter() - t0
+        if finish != "cancelled":
+            self.answer_lengths.add(len(out), cut=finish == "length")
         return GenerationResult(prompt, out, final_text(self.decode(out), params.stop), finish, m)
 
     def _hit_stop(self, out: list[int], stops: tuple[str, ...]) -> bool:

@@ -10,6 +10,7 @@ from the step timings; a is tracked per request.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections import deque
 from dataclasses import dataclass, field
 
 from verispec.config import SpecConfig
@@ -75,7 +76,8 @@ class KPolicy(ABC):
     def choose(self, k_cap: int, remaining: int | None = None, catch_up: int = 0) -> int:
         """k for the next step, at most ``k_cap``.
 
-        ``remaining`` is how many tokens the request may still generate; ``catch_up`` how many
+        ``remaining`` is how many tokens the request is expected to still generate (at most what
+        its limits allow; see :class:`AnswerLengths`); ``catch_up`` how many
         tokens of context the drafter has yet to read before it can draft (policies may ignore both).
         """
 
@@ -138,6 +140,33 @@ class Acceptance:
 
 
 @dataclass
+class AnswerLengths:
+    """How long recent answers ran, to estimate how many tokens a running request will still produce.
+
+    The cost policy weighs a one-off cost (a model drafter reading the prompt) against what
+    speculation saves per token. ``max_tokens`` overstates the tokens left when answers usually
+    end at EOS well before it (translations, short QA), so the estimate is the mean remaining
+    length of recent answers that ran longer than this one has so far. An answer cut by its token
+    limit only says it would have run at least that long: it counts as running to the limit.
+    """
+
+    window: int = 64
+    recent: deque = field(default_factory=deque)  # (length, cut by its limit)
+
+    def add(self, length: int, cut: bool) -> None:
+        self.recent.append((length, cut))
+        while len(self.recent) > self.window:
+            self.recent.popleft()
+
+    def expected_remaining(self, generated: int, limit_left: int) -> int:
+        """Expected tokens still to come after ``generated``, at most ``limit_left``."""
+        left = [limit_left if cut else min(n - generated, limit_left) for n, cut in self.recent if n > generated]
+        if not left:
+            return limit_left
+        return max(1, round(sum(left) / len(left)))
+
+
+@dataclass
 class CostK(KPolicy):
     """Pick the k that maximises predicted tokens/s; k = 0 when speculation does not pay.
 
@@ -148,8 +177,8 @@ class CostK(KPolicy):
 
     A model drafter that has not yet read the prompt must first catch up on it (a prefill of
     the draft): the choice weighs that one-off cost against what speculation would save over
-    the tokens the request may still generate, so a long prompt with a short answer (RAG) stays
-    plain rather than paying for a draft prefill it cannot win back.
+    the tokens the request is expected to still generate, so a long prompt with a short answer
+    (RAG) stays plain rather than paying for a draft prefill it cannot win back.
     """
 
     costs: CostModel
@@ -162,7 +191,7 @@ class CostK(KPolicy):
     chosen: list[int] = field(default_factory=list)
 
     def choose(self, k_cap: int, remaining: int | None = None, catch_up: int = 0) -> int:
-        """``remaining``: tokens the request may still produce; ``catch_up``: tokens the drafter must read first."""
+        """``remaining``: tokens the request is expected to produce; ``catch_up``: tokens to read first."""
         self._catch_up = catch_up
         a = self.acceptance.rate
         k = self.costs.best_k(a, min(self.k_max, k_cap))
