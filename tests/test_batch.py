@@ -268,8 +268,8 @@ def test_policy_keeps_a_row_plain_when_its_draft_catch_up_cannot_pay_back():
     costs = BatchCostModel(CostCurve({1: 0.1, 64: 0.1}, smoothing=0), CostCurve({1: 0.01}, smoothing=0),
                            catch_up_per_token_s=0.005)
     policy = BatchPolicy(costs)
-    # Both rows must read 500 prompt tokens (2.5 s) first; drafting saves a few hundredths of a
-    # second per token: over 10 tokens that never pays, over 1000 it does.
+    # Both rows must read 500 prompt tokens (a forward plus 2.5 s) first; drafting saves a few
+    # hundredths of a second per token: over 10 tokens that never pays, over 1000 it does.
     short = RowPlan(cap=5, acceptance=0.8, catch_up=500, horizon=10)
     long = RowPlan(cap=5, acceptance=0.8, catch_up=500, horizon=1000)
     caught_up = RowPlan(cap=5, acceptance=0.8, catch_up=0, horizon=10)
@@ -277,10 +277,19 @@ def test_policy_keeps_a_row_plain_when_its_draft_catch_up_cannot_pay_back():
     assert (short.cap, long.cap, caught_up.cap) == (0, 5, 5)
     alone = RowPlan(cap=5, acceptance=0.8, catch_up=500, horizon=10)
     assert policy.choose([alone]) == 0 and alone.cap == 0
-    # Without a measured catch-up cost (lookup drafters) nothing is excluded.
-    free = BatchPolicy(BatchCostModel(costs.target, costs.draft))
-    row = RowPlan(cap=5, acceptance=0.8, catch_up=500, horizon=10)
-    assert free.choose([row]) > 0 and row.cap == 5
+    assert costs.catch_up_s(500) == pytest.approx(0.01 + 2.5) and costs.catch_up_s(0) == 0
+    # A catch-up that costs about one draft forward pays back over the same 10 tokens.
+    cheap = BatchPolicy(BatchCostModel(costs.target, costs.draft, catch_up_per_token_s=1e-6))
+    row = RowPlan(cap=5, acceptance=0.8, catch_up=3, horizon=10)
+    assert cheap.choose([row]) > 0 and row.cap == 5
+    # A probe (poor acceptance keeps the batch plain) takes only rows whose catch-up perfect
+    # acceptance could win back.
+    prober = BatchPolicy(costs, probe_every=1)
+    far, near = RowPlan(cap=5, acceptance=0.01, catch_up=500, horizon=10), RowPlan(cap=5, acceptance=0.01)
+    assert prober.choose([far, near]) == prober.probe_k and (far.cap, near.cap) == (0, 5)
+    # Measured catch-ups: what exceeds one one-row forward each is charged per token read.
+    costs.observe_catch_up(count=2, tokens=100, seconds=2 * 0.01 + 0.1)
+    assert costs.catch_up_per_token_s == pytest.approx(0.005 + 0.1 * (0.001 - 0.005))
 
 
 def test_cost_curve_learns_between_profiled_points_only():

@@ -543,7 +543,7 @@ class BatchEngine:
         self.stats.record(report, policy_k)
         if self.costs is not None:
             self.costs.target.observe(report.scored_tokens, report.score_s)
-            self.costs.observe_catch_up(report.catch_up_tokens, report.catch_up_s)
+            self.costs.observe_catch_up(report.catch_ups, report.catch_up_tokens, report.catch_up_s)
             if self.costs.draft is not None and report.draft_forwards:
                 per_forward = (report.propose_s - report.catch_up_s) / report.draft_forwards
                 self.costs.draft.observe(report.span, per_forward)

@@ -54,7 +54,8 @@ class BatchDraftModel:
         # Draft and target embeddings may differ in padding rows; q must live on the target's vocabulary.
         self.vocab_size = vocab_size or model.args.vocab_size
         self.forwards = 0  # lockstep forwards run (the policy's draft cost is per forward)
-        self.catch_up_tokens = 0  # context read by rows catching up alone, and the seconds it took
+        self.catch_ups = 0  # rows that caught up alone, the context they read and the seconds it took
+        self.catch_up_tokens = 0
         self.catch_up_s = 0.0
         # Per slot: (the request's generator, a generator of our own on the draft's device).
         self._local_gens: dict[int, tuple[torch.Generator, torch.Generator]] = {}
@@ -107,6 +108,7 @@ class BatchDraftModel:
                 sync(device)
                 self.catch_up_s += time.perf_counter() - t0
                 self.catch_up_tokens += len(lag)
+                self.catch_ups += 1
                 start = lengths[r.slot] = len(r.seq) - 1
             feeds[r.slot] = r.seq[start:]
         active = [r for r in rows if r.k > 0]

@@ -89,15 +89,23 @@ class BatchCostModel:
 
     target: CostCurve
     draft: CostCurve | None = None
-    # Seconds per token for the draft model to read context it has not seen (a new row's prompt,
-    # or what a row generated while it decoded plainly): a one-off cost per row, not per step.
+    # A row's draft catching up on context it has not seen (a new row's prompt, or what it
+    # generated while the batch decoded plainly) is one forward of its own: a one-row draft
+    # forward plus this many seconds per token read. A one-off cost per row, not per step.
     catch_up_per_token_s: float = 0.0
     smoothing: float = 0.1
 
-    def observe_catch_up(self, tokens: int, seconds: float) -> None:
-        """Fold in a measured catch-up of ``tokens`` tokens."""
-        if tokens > 0:
-            self.catch_up_per_token_s += self.smoothing * (seconds / tokens - self.catch_up_per_token_s)
+    def catch_up_s(self, tokens: int) -> float:
+        """Predicted seconds for one row's draft to read ``tokens`` tokens of context."""
+        if tokens <= 0 or self.draft is None:
+            return 0.0
+        return self.draft(1) + tokens * self.catch_up_per_token_s
+
+    def observe_catch_up(self, count: int, tokens: int, seconds: float) -> None:
+        """Fold in ``count`` measured catch-ups that read ``tokens`` tokens in ``seconds``."""
+        if count > 0 and tokens > 0 and self.draft is not None:
+            per_token = max(0.0, seconds - count * self.draft(1)) / tokens
+            self.catch_up_per_token_s += self.smoothing * (per_token - self.catch_up_per_token_s)
 
     def step_s(self, rows: int, k: int, draft_k: int | None = None) -> float:
         """Predicted seconds of one step of ``rows`` rows padded to ``k`` drafts each.
@@ -160,26 +168,34 @@ class BatchPolicy:
         if not governed:
             return 0
         k = self._best_k(plans, span)
-        if k > 0 and self.costs.catch_up_per_token_s > 0:
-            n = span or len(plans)
-            saved = self.costs.step_s(n, 0) / len(plans) - 1.0 / self.goodput(plans, k, span)
-            for p in plans:
-                if p.acceptance is not None and p.model_draft and p.catch_up > 0 and p.horizon is not None and \
-                        saved * p.horizon <= self.costs.catch_up_per_token_s * p.catch_up:
-                    p.cap = 0
+        if k > 0 and self._exclude_unpaid_catch_ups(plans, span, k):
             k = self._best_k(plans, span)
-        k_max = max(p.cap for p in plans if p.acceptance is not None)
         if k == 0:
             self._plain_streak += 1
             if self._plain_streak >= self.probe_every:
                 self._plain_streak = 0
-                probe = min(self.probe_k, k_max)
+                probe = min(self.probe_k, max(governed))
                 if probe and self.goodput(plans, probe, span, optimistic=True) > self.goodput(plans, 0, span):
+                    # Rows join the probe only if even perfect acceptance would win their catch-up back.
+                    self._exclude_unpaid_catch_ups(plans, span, probe, optimistic=True)
                     k = probe
         else:
             self._plain_streak = 0
         self.chosen[k] = self.chosen.get(k, 0) + 1
         return k
+
+    def _exclude_unpaid_catch_ups(self, plans: list[RowPlan], span: int | None, k: int,
+                                  optimistic: bool = False) -> bool:
+        """Set ``cap = 0`` for rows whose catch-up the saving at ``k`` cannot win back; True if any."""
+        if self.costs.draft is None:
+            return False
+        saved = self.costs.step_s(span or len(plans), 0) / len(plans) - 1.0 / self.goodput(plans, k, span, optimistic)
+        excluded = False
+        for p in plans:
+            if p.acceptance is not None and p.model_draft and p.catch_up > 0 and p.horizon is not None and \
+                    saved * p.horizon <= self.costs.catch_up_s(p.catch_up):
+                p.cap, excluded = 0, True
+        return excluded
 
     def _best_k(self, plans: list[RowPlan], span: int | None) -> int:
         k_max = max(p.cap for p in plans if p.acceptance is not None)
@@ -210,7 +226,7 @@ def profile_costs(target: Transformer, draft: Transformer | None, max_rows: int,
             draft(tokens, pos, cache, last_only=True)
             sync(draft.device)
             times.append(time.perf_counter() - t0)
-        catch_up = min(times[1:]) / context
+        catch_up = max(0.0, min(times[1:]) - draft_pts[1]) / context  # beyond one one-row forward
     return BatchCostModel(CostCurve(target_pts), CostCurve(draft_pts) if draft_pts else None, catch_up)
 
 

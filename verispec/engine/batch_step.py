@@ -67,7 +67,8 @@ class StepReport:
     new_tokens: list[list[int]] = field(default_factory=list)  # per row: its 1..k+1 new tokens
     drafted: list[int] = field(default_factory=list)  # per row
     accepted: list[int] = field(default_factory=list)  # per row
-    catch_up_tokens: int = 0  # context the draft model read for rows catching up alone, and its seconds
+    catch_ups: int = 0  # rows whose draft caught up alone, the context they read and its seconds
+    catch_up_tokens: int = 0
     catch_up_s: float = 0.0
 
     @property
@@ -83,7 +84,8 @@ def batched_step(target: Transformer, cache: KVCache, rows: list[Row],
     t0 = time.perf_counter()
     proposals = [Proposal([])] * len(rows)
     forwards_before = draft_model.forwards if draft_model is not None else 0
-    caught_before = (draft_model.catch_up_tokens, draft_model.catch_up_s) if draft_model is not None else (0, 0.0)
+    caught_before = ((draft_model.catch_ups, draft_model.catch_up_tokens, draft_model.catch_up_s)
+                     if draft_model is not None else (0, 0, 0.0))
     model_rows = [i for i, r in enumerate(rows) if r.model_draft and r.k > 0]
     if model_rows:
         assert draft_model is not None, "model-drafting rows need the batch's draft model"
@@ -135,8 +137,9 @@ def batched_step(target: Transformer, cache: KVCache, rows: list[Row],
     report.verify_s = t3 - t2
     report.draft_forwards = (draft_model.forwards - forwards_before) if draft_model is not None else 0
     if draft_model is not None:
-        report.catch_up_tokens = draft_model.catch_up_tokens - caught_before[0]
-        report.catch_up_s = draft_model.catch_up_s - caught_before[1]
+        report.catch_ups = draft_model.catch_ups - caught_before[0]
+        report.catch_up_tokens = draft_model.catch_up_tokens - caught_before[1]
+        report.catch_up_s = draft_model.catch_up_s - caught_before[2]
     # Each request waited for the whole step, so each is charged every stage's full time.
     for r in rows:
         for stage, s in (("propose", report.propose_s), ("score", report.score_s), ("verify", report.verify_s)):
