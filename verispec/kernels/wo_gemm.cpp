@@ -134,7 +134,7 @@ VS_AVX512 void int4_rows(const uint8_t* w, const uint32_t* sz, const uint16_t* x
   }
 }
 
-// ---- int8 -------------------------------------------------------------------------------
+// ---- int8 and bf16 ----------------------------------------------------------------------
 
 VS_AVX512 inline __m512i int8_tile_bf16(const int8_t* p) {
   const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
@@ -143,8 +143,23 @@ VS_AVX512 inline __m512i int8_tile_bf16(const int8_t* p) {
   return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);  // words 0..15 from lo, 16..31 from hi: byte order kept
 }
 
-template <int M>
-VS_AVX512 inline void int8_block(const int8_t* __restrict w, const uint16_t* __restrict x, int64_t ldx,
+// Tiles of the two weight-only formats that need no group scales: int8 (unpacked to exact bf16
+// per tile) and bf16 (the packed weight already is the vdpbf16ps operand). One tile is 16 rows x
+// 2 consecutive k; `lines` 64-byte cache lines hold two tiles.
+struct Int8Tiles {
+  using W = int8_t;
+  static constexpr int lines = 1;
+  VS_AVX512 static inline __m512i load(const int8_t* p) { return int8_tile_bf16(p); }
+};
+
+struct Bf16Tiles {
+  using W = uint16_t;
+  static constexpr int lines = 2;
+  VS_AVX512 static inline __m512i load(const uint16_t* p) { return _mm512_loadu_si512(p); }
+};
+
+template <class Tiles, int M>
+VS_AVX512 inline void pair_block(const typename Tiles::W* __restrict w, const uint16_t* __restrict x, int64_t ldx,
                                  int64_t pairs, float* __restrict out) {
   __m512 y[M];
   for (int m = 0; m < M; ++m) y[m] = _mm512_setzero_ps();
@@ -157,10 +172,11 @@ VS_AVX512 inline void int8_block(const int8_t* __restrict w, const uint16_t* __r
     }
 #pragma GCC unroll 8
     for (int q = 0; q < 16; q += 2) {
-      const int8_t* wp = w + (p + q) * 32;
-      _mm_prefetch(reinterpret_cast<const char*>(wp + PREFETCH), _MM_HINT_T0);
-      const __m512i t0 = int8_tile_bf16(wp);
-      const __m512i t1 = int8_tile_bf16(wp + 32);
+      const typename Tiles::W* wp = w + (p + q) * 32;
+      for (int l = 0; l < Tiles::lines; ++l)
+        _mm_prefetch(reinterpret_cast<const char*>(wp) + PREFETCH + 64 * l, _MM_HINT_T0);
+      const __m512i t0 = Tiles::load(wp);
+      const __m512i t1 = Tiles::load(wp + 32);
 #pragma GCC unroll 8
       for (int m = 0; m < M; ++m) {
         const int32_t* xp = reinterpret_cast<const int32_t*>(x + m * ldx) + p + q;
@@ -174,7 +190,7 @@ VS_AVX512 inline void int8_block(const int8_t* __restrict w, const uint16_t* __r
     __m512 a0[M];
     for (int m = 0; m < M; ++m) a0[m] = _mm512_setzero_ps();
     for (; p < pairs; ++p) {
-      const __m512i t0 = int8_tile_bf16(w + p * 32);
+      const __m512i t0 = Tiles::load(w + p * 32);
       for (int m = 0; m < M; ++m) {
         const int32_t* xp = reinterpret_cast<const int32_t*>(x + m * ldx) + p;
         a0[m] = _mm512_dpbf16_ps(a0[m], (__m512bh)t0, (__m512bh)_mm512_set1_epi32(xp[0]));
@@ -185,85 +201,21 @@ VS_AVX512 inline void int8_block(const int8_t* __restrict w, const uint16_t* __r
   for (int m = 0; m < M; ++m) _mm512_storeu_ps(out + m * BN, y[m]);
 }
 
-VS_AVX512 void int8_rows(const int8_t* w, const uint16_t* x, int64_t k, int64_t rows, float* out) {
+template <class Tiles>
+VS_AVX512 void pair_rows(const typename Tiles::W* w, const uint16_t* x, int64_t k, int64_t rows, float* out) {
   const int64_t pairs = k / 2;
   for (int64_t m0 = 0; m0 < rows; m0 += MB) {
     const uint16_t* xm = x + m0 * k;
     float* o = out + m0 * BN;
     switch (std::min(MB, rows - m0)) {
-      case 1: int8_block<1>(w, xm, k, pairs, o); break;
-      case 2: int8_block<2>(w, xm, k, pairs, o); break;
-      case 3: int8_block<3>(w, xm, k, pairs, o); break;
-      case 4: int8_block<4>(w, xm, k, pairs, o); break;
-      case 5: int8_block<5>(w, xm, k, pairs, o); break;
-      case 6: int8_block<6>(w, xm, k, pairs, o); break;
-      case 7: int8_block<7>(w, xm, k, pairs, o); break;
-      default: int8_block<8>(w, xm, k, pairs, o); break;
-    }
-  }
-}
-
-// ---- bf16 -------------------------------------------------------------------------------
-
-// The int8 kernel without the unpack: the packed weight already is the vdpbf16ps tile.
-template <int M>
-VS_AVX512 inline void bf16_block(const uint16_t* __restrict w, const uint16_t* __restrict x, int64_t ldx,
-                                 int64_t pairs, float* __restrict out) {
-  __m512 y[M];
-  for (int m = 0; m < M; ++m) y[m] = _mm512_setzero_ps();
-  int64_t p = 0;
-  for (; p + 16 <= pairs; p += 16) {  // groups of 32 k, as for int4/int8
-    __m512 a0[M], a1[M];
-    for (int m = 0; m < M; ++m) {
-      a0[m] = _mm512_setzero_ps();
-      a1[m] = _mm512_setzero_ps();
-    }
-#pragma GCC unroll 8
-    for (int q = 0; q < 16; q += 2) {
-      const uint16_t* wp = w + (p + q) * 32;
-      // Twice the bytes per tile of int8, so one prefetch per 64-byte line.
-      _mm_prefetch(reinterpret_cast<const char*>(wp) + PREFETCH, _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(wp) + PREFETCH + 64, _MM_HINT_T0);
-      const __m512i t0 = _mm512_loadu_si512(wp);
-      const __m512i t1 = _mm512_loadu_si512(wp + 32);
-#pragma GCC unroll 8
-      for (int m = 0; m < M; ++m) {
-        const int32_t* xp = reinterpret_cast<const int32_t*>(x + m * ldx) + p + q;
-        a0[m] = _mm512_dpbf16_ps(a0[m], (__m512bh)t0, (__m512bh)_mm512_set1_epi32(xp[0]));
-        a1[m] = _mm512_dpbf16_ps(a1[m], (__m512bh)t1, (__m512bh)_mm512_set1_epi32(xp[1]));
-      }
-    }
-    for (int m = 0; m < M; ++m) y[m] = _mm512_add_ps(y[m], _mm512_add_ps(a0[m], a1[m]));
-  }
-  if (p < pairs) {  // K not a multiple of 32
-    __m512 a0[M];
-    for (int m = 0; m < M; ++m) a0[m] = _mm512_setzero_ps();
-    for (; p < pairs; ++p) {
-      const __m512i t0 = _mm512_loadu_si512(w + p * 32);
-      for (int m = 0; m < M; ++m) {
-        const int32_t* xp = reinterpret_cast<const int32_t*>(x + m * ldx) + p;
-        a0[m] = _mm512_dpbf16_ps(a0[m], (__m512bh)t0, (__m512bh)_mm512_set1_epi32(xp[0]));
-      }
-    }
-    for (int m = 0; m < M; ++m) y[m] = _mm512_add_ps(y[m], a0[m]);
-  }
-  for (int m = 0; m < M; ++m) _mm512_storeu_ps(out + m * BN, y[m]);
-}
-
-VS_AVX512 void bf16_rows(const uint16_t* w, const uint16_t* x, int64_t k, int64_t rows, float* out) {
-  const int64_t pairs = k / 2;
-  for (int64_t m0 = 0; m0 < rows; m0 += MB) {
-    const uint16_t* xm = x + m0 * k;
-    float* o = out + m0 * BN;
-    switch (std::min(MB, rows - m0)) {
-      case 1: bf16_block<1>(w, xm, k, pairs, o); break;
-      case 2: bf16_block<2>(w, xm, k, pairs, o); break;
-      case 3: bf16_block<3>(w, xm, k, pairs, o); break;
-      case 4: bf16_block<4>(w, xm, k, pairs, o); break;
-      case 5: bf16_block<5>(w, xm, k, pairs, o); break;
-      case 6: bf16_block<6>(w, xm, k, pairs, o); break;
-      case 7: bf16_block<7>(w, xm, k, pairs, o); break;
-      default: bf16_block<8>(w, xm, k, pairs, o); break;
+      case 1: pair_block<Tiles, 1>(w, xm, k, pairs, o); break;
+      case 2: pair_block<Tiles, 2>(w, xm, k, pairs, o); break;
+      case 3: pair_block<Tiles, 3>(w, xm, k, pairs, o); break;
+      case 4: pair_block<Tiles, 4>(w, xm, k, pairs, o); break;
+      case 5: pair_block<Tiles, 5>(w, xm, k, pairs, o); break;
+      case 6: pair_block<Tiles, 6>(w, xm, k, pairs, o); break;
+      case 7: pair_block<Tiles, 7>(w, xm, k, pairs, o); break;
+      default: pair_block<Tiles, 8>(w, xm, k, pairs, o); break;
     }
   }
 }
@@ -414,7 +366,7 @@ torch::Tensor int8_mm(const torch::Tensor& x, const torch::Tensor& w, const torc
   at::parallel_for(0, blocks, grain_for(k * BN), [&](int64_t b0, int64_t b1) {
     std::vector<float> acc(rows * BN);
     for (int64_t b = b0; b < b1; ++b) {
-      int8_rows(wp + b * k * BN, xp, k, rows, acc.data());
+      pair_rows<Int8Tiles>(wp + b * k * BN, xp, k, rows, acc.data());
       finish_block(e, acc.data(), b * BN);
     }
   });
@@ -443,7 +395,7 @@ torch::Tensor bf16_mm(const torch::Tensor& x, const torch::Tensor& w, int64_t n,
   at::parallel_for(0, blocks, grain_for(k * BN * 2), [&](int64_t b0, int64_t b1) {
     std::vector<float> acc(m * BN);
     for (int64_t b = b0; b < b1; ++b) {
-      bf16_rows(wp + b * k * BN, xp, k, m, acc.data());
+      pair_rows<Bf16Tiles>(wp + b * k * BN, xp, k, m, acc.data());
       finish_block(e, acc.data(), b * BN);
     }
   });
