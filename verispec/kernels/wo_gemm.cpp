@@ -338,6 +338,20 @@ torch::Tensor int4_mm(const torch::Tensor& x, const torch::Tensor& w, const torc
   return y;
 }
 
+// Every 16-row block of an int8/bf16 weight against all rows of x, blocks split across threads.
+template <class Tiles>
+void pair_mm(const Epilogue& e, const typename Tiles::W* wp, const uint16_t* xp, int64_t k, int64_t rows,
+             int64_t blocks) {
+  at::parallel_for(0, blocks, grain_for(k * BN * static_cast<int64_t>(sizeof(typename Tiles::W))),
+                   [&](int64_t b0, int64_t b1) {
+                     std::vector<float> acc(rows * BN);
+                     for (int64_t b = b0; b < b1; ++b) {
+                       pair_rows<Tiles>(wp + b * k * BN, xp, k, rows, acc.data());
+                       finish_block(e, acc.data(), b * BN);
+                     }
+                   });
+}
+
 // x: bf16 [splits * M, K] (rows s * M + m add up, e.g. the bf16 parts of fp32 activations);
 // w: int8 layout above, [ceil(N/16), K/2, 16, 2]; scale: [N] fp32/bf16. Returns [M, N].
 torch::Tensor int8_mm(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scale, int64_t n,
@@ -363,13 +377,7 @@ torch::Tensor int8_mm(const torch::Tensor& x, const torch::Tensor& w, const torc
   set_epilogue_out(e, y, bias);
   const auto* wp = w.data_ptr<int8_t>();
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
-  at::parallel_for(0, blocks, grain_for(k * BN), [&](int64_t b0, int64_t b1) {
-    std::vector<float> acc(rows * BN);
-    for (int64_t b = b0; b < b1; ++b) {
-      pair_rows<Int8Tiles>(wp + b * k * BN, xp, k, rows, acc.data());
-      finish_block(e, acc.data(), b * BN);
-    }
-  });
+  pair_mm<Int8Tiles>(e, wp, xp, k, rows, blocks);
   return y;
 }
 
@@ -392,13 +400,7 @@ torch::Tensor bf16_mm(const torch::Tensor& x, const torch::Tensor& w, int64_t n,
   set_epilogue_out(e, y, bias);
   const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr());
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
-  at::parallel_for(0, blocks, grain_for(k * BN * 2), [&](int64_t b0, int64_t b1) {
-    std::vector<float> acc(m * BN);
-    for (int64_t b = b0; b < b1; ++b) {
-      pair_rows<Bf16Tiles>(wp + b * k * BN, xp, k, m, acc.data());
-      finish_block(e, acc.data(), b * BN);
-    }
-  });
+  pair_mm<Bf16Tiles>(e, wp, xp, k, m, blocks);
   return y;
 }
 
@@ -572,6 +574,14 @@ torch::Tensor int4_from_stock(const torch::Tensor& stock, int64_t n, int64_t k, 
 }
 
 // int8 [N, K] -> [ceil(N/16), K/2, 16, 2], rows padded with zeros.
+// One 16-row block, row-major [rows, pairs] of k-pairs (a pair of int8 is 16 bits, of bf16 32)
+// -> [pairs, 16], rows past `rows` zero: the kernels' tile layout.
+template <class Pair>
+void transpose_pairs(const Pair* s, int64_t rows, int64_t pairs, Pair* d) {
+  for (int64_t p = 0; p < pairs; ++p)
+    for (int64_t r = 0; r < BN; ++r) d[p * BN + r] = r < rows ? s[r * pairs + p] : 0;
+}
+
 torch::Tensor int8_pack(const torch::Tensor& q) {
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == torch::kChar && q.size(1) % 2 == 0, "q: int8 [N, K], K even");
   const auto c = q.contiguous();
@@ -587,20 +597,23 @@ torch::Tensor int8_pack(const torch::Tensor& q) {
         int8_block_pack(src + b * BN * k, k, rows, dst + b * BN * k);
         continue;
       }
-      const auto* s16 = reinterpret_cast<const uint16_t*>(src + b * BN * k);
-      auto* d16 = reinterpret_cast<uint16_t*>(dst + b * BN * k);
-      for (int64_t p = 0; p < pairs; ++p)
-        for (int64_t r = 0; r < BN; ++r) d16[p * BN + r] = r < rows ? s16[r * pairs + p] : 0;
+      transpose_pairs(reinterpret_cast<const uint16_t*>(src + b * BN * k), rows, pairs,
+                      reinterpret_cast<uint16_t*>(dst + b * BN * k));
     }
   });
   return out;
 }
 
-torch::Tensor int8_unpack(const torch::Tensor& packed, int64_t n, int64_t k) {
+// [ceil(N/16), K/2, 16, 2] -> [N, K]: the inverse of the pair transpose (either element type).
+torch::Tensor pairs_unpack(const torch::Tensor& packed, int64_t n, int64_t k, c10::ScalarType type, const char* what) {
   const int64_t blocks = (n + BN - 1) / BN;
-  TORCH_CHECK(packed.scalar_type() == torch::kChar && packed.numel() == blocks * BN * k, "int8_unpack: packed w");
+  TORCH_CHECK(packed.scalar_type() == type && packed.numel() == blocks * BN * k, what, ": packed w");
   return packed.contiguous().view({blocks, k / 2, BN, 2}).permute({0, 2, 1, 3}).reshape({blocks * BN, k}).narrow(0, 0, n)
       .contiguous();
+}
+
+torch::Tensor int8_unpack(const torch::Tensor& packed, int64_t n, int64_t k) {
+  return pairs_unpack(packed, n, k, torch::kChar, "int8_unpack");
 }
 
 // bf16 [N, K] (K even) -> [ceil(N/16), K/2, 16, 2], rows padded with zeros: a transpose of 32-bit
@@ -615,20 +628,14 @@ torch::Tensor bf16_pack(const torch::Tensor& w) {
   at::parallel_for(0, blocks, 16, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t rows = std::min<int64_t>(BN, n - b * BN);
-      const uint32_t* s = src + b * BN * pairs;
-      uint32_t* d = dst + b * BN * pairs;
-      for (int64_t p = 0; p < pairs; ++p)
-        for (int64_t r = 0; r < BN; ++r) d[p * BN + r] = r < rows ? s[r * pairs + p] : 0;
+      transpose_pairs(src + b * BN * pairs, rows, pairs, dst + b * BN * pairs);
     }
   });
   return out;
 }
 
 torch::Tensor bf16_unpack(const torch::Tensor& packed, int64_t n, int64_t k) {
-  const int64_t blocks = (n + BN - 1) / BN;
-  TORCH_CHECK(packed.scalar_type() == torch::kBFloat16 && packed.numel() == blocks * BN * k, "bf16_unpack: packed w");
-  return packed.contiguous().view({blocks, k / 2, BN, 2}).permute({0, 2, 1, 3}).reshape({blocks * BN, k}).narrow(0, 0, n)
-      .contiguous();
+  return pairs_unpack(packed, n, k, torch::kBFloat16, "bf16_unpack");
 }
 
 }  // namespace
