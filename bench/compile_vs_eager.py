@@ -31,7 +31,7 @@ def run_mode(args: argparse.Namespace, compiled: bool, prompts: list[str]) -> di
                                     compile_k=args.k, progress=False)
     build_s = time.perf_counter() - t0
     params = SamplingParams(max_tokens=args.tokens, ignore_eos=True)
-    spec = SpecConfig(method="draft", k=args.k)
+    spec = SpecConfig(method="draft", k=args.k, k_policy="fixed")
     ids = [engine.encode(p) for p in prompts]
     engine.generate(ids[0], SamplingParams(max_tokens=4))  # warm-up, both paths
     engine.generate(ids[0], SamplingParams(max_tokens=4), spec)

@@ -151,7 +151,7 @@ def main() -> None:
             prompts.append(ids)
     random.Random(args.seed).shuffle(prompts)
     prompts = prompts[:n]
-    specs = {"plain": PLAIN, "fixed": SpecConfig(method=args.method, k=args.k),
+    specs = {"plain": PLAIN, "fixed": SpecConfig(method=args.method, k=args.k, k_policy="fixed"),
              "policy": SpecConfig(method=args.method, k=args.k, k_policy="cost")}
     costs = be.profile(k_max=args.k)
     for mode in modes:  # warm-up: kernels, allocator, drafters

@@ -193,9 +193,9 @@ def check_identity(dev: str) -> dict:
     params = SamplingParams(max_tokens=40)
     res: dict = {}
     plain = [r.token_ids for r in engine_for(target).generate(ps, params)]
-    for name, draft, spec in (("draft-twin k=4", twin, SpecConfig("draft", k=4)),
-                              ("draft-other k=4", other, SpecConfig("draft", k=4)),
-                              ("ngram k=4", None, SpecConfig("ngram", k=4)),
+    for name, draft, spec in (("draft-twin k=4", twin, SpecConfig("draft", k=4, k_policy="fixed")),
+                              ("draft-other k=4", other, SpecConfig("draft", k=4, k_policy="fixed")),
+                              ("ngram k=4", None, SpecConfig("ngram", k=4, k_policy="fixed")),
                               ("draft-other cost", other, SpecConfig("draft", k=6, k_policy="cost"))):
         out = engine_for(target, draft).generate(ps, params, spec)
         res[name] = {"same_tokens": [r.token_ids for r in out] == plain,
@@ -209,7 +209,7 @@ def check_compiled(dev: str) -> dict:
     target = random_model(TINY, torch.float32, dev, seed=0, std=0.1)
     other = random_model(TINY, torch.float32, dev, seed=5, std=0.1)
     ps = prompts(TINY.vocab_size, 3, 40, seed=3)
-    params, spec = SamplingParams(max_tokens=32), SpecConfig("draft", k=3)
+    params, spec = SamplingParams(max_tokens=32), SpecConfig("draft", k=3, k_policy="fixed")
     eager = engine_for(target, other)
     want_plain, want_spec = ([r.token_ids for r in eager.generate(ps, params, s)] for s in (None, spec))
     res = {}
@@ -259,7 +259,7 @@ def check_batch(dev: str) -> dict:
     ps = [p[: 20 + 7 * i] for i, p in enumerate(prompts(TINY.vocab_size, 4, 60, seed=4))]
     params = [SamplingParams(max_tokens=20 + 5 * i) for i in range(4)]
     res = {}
-    for name, spec in (("plain", None), ("draft k=3", SpecConfig("draft", k=3))):
+    for name, spec in (("plain", None), ("draft k=3", SpecConfig("draft", k=3, k_policy="fixed"))):
         eng = engine_for(target, other)
         alone = [eng.generate(p, pa, spec)[0].token_ids for p, pa in zip(ps, params, strict=True)]
         batched = BatchEngine(eng, max_batch=4).generate_batch(ps, params, spec)

@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
 
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
-    spec = SpecConfig(method="draft", k=args.k)
+    spec = SpecConfig(method="draft", k=args.k, k_policy="fixed")
     a = one_process(args, params, spec)
     b = two_processes(args, params, spec)
     identical = a["token_ids"] == b["token_ids"]

@@ -31,9 +31,9 @@ PROMPTS = [[2], [3, 5, 7, 9, 3, 5, 7], [10, 20, 30, 40, 10, 20], [11, 12, 13, 11
 # Different max_tokens; half the requests may stop at an EOS id.
 PARAMS = [SamplingParams(max_tokens=8 + 5 * i, ignore_eos=i % 2 == 1) for i in range(len(PROMPTS))]
 SPECS = {
-    "plain": SpecConfig(method="none", k=0),
-    "draft": SpecConfig(method="draft", k=4),
-    "ngram": SpecConfig(method="ngram", k=3),
+    "plain": SpecConfig(k_policy="fixed", method="none", k=0),
+    "draft": SpecConfig(k_policy="fixed", method="draft", k=4),
+    "ngram": SpecConfig(k_policy="fixed", method="ngram", k=3),
     "draft-cost": SpecConfig(method="draft", k=6, k_policy="cost"),
     "draft-confidence": SpecConfig(method="draft", k=6, k_policy="confidence", confidence=0.5),
     "ngram-heuristic": SpecConfig(method="ngram", k=5, k_policy="heuristic"),
@@ -92,7 +92,7 @@ def test_queueing_and_mixed_specs_match_engine(engine, reference):
 def test_rows_with_different_k_match_plain(engine, reference):
     # Rows with different fixed k pad to the widest one; the padding must not leak into any row.
     be = BatchEngine(engine, max_batch=8)
-    specs = [SpecConfig(method="draft", k=k) for k in (1, 2, 3, 5, 8, 0, 4, 7)]
+    specs = [SpecConfig(k_policy="fixed", method="draft", k=k) for k in (1, 2, 3, 5, 8, 0, 4, 7)]
     results = be.generate_batch(PROMPTS, PARAMS, specs)
     assert [r.token_ids for r in results] == reference["plain"]
 
@@ -191,7 +191,7 @@ def test_oversize_request_fails_at_submit(engine):
         be.generate_batch([PROMPTS[0], PROMPTS[1]], [SamplingParams(), SamplingParams(max_tokens=MAX_LEN)])
     assert be.num_waiting == 0 and be.kv_used_tokens == 0
     with pytest.raises(VerispecError, match="layer-skip"):
-        be.submit(PROMPTS[0], SamplingParams(max_tokens=8), SpecConfig(method="layerskip", k=2))
+        be.submit(PROMPTS[0], SamplingParams(max_tokens=8), SpecConfig(k_policy="fixed", method="layerskip", k=2))
 
 
 def test_memory_limit_sets_slots(engine):
@@ -373,8 +373,9 @@ def test_text_and_stop_strings_match_engine(tmp_path):
     plain = engine.generate(prompts[0], SamplingParams(max_tokens=12, ignore_eos=True), chat=True)[0]
     stop = plain.text.split()[4]  # a word the greedy output is known to contain
     params = SamplingParams(max_tokens=12, stop=(stop,))
-    ref = engine.generate(prompts, params, SpecConfig(method="ngram", k=3), chat=True)
-    got = BatchEngine(engine, max_batch=2).generate_batch(prompts, params, SpecConfig(method="ngram", k=3),
+    ref = engine.generate(prompts, params, SpecConfig(k_policy="fixed", method="ngram", k=3), chat=True)
+    got = BatchEngine(engine, max_batch=2).generate_batch(prompts, params, SpecConfig(k_policy="fixed",
+                                                                                      method="ngram", k=3),
                                                            chat=True)
     assert [(r.token_ids, r.text, r.finish_reason) for r in got] == \
         [(r.token_ids, r.text, r.finish_reason) for r in ref]

@@ -181,7 +181,7 @@ def test_stability_suite_passes_on_a_tiny_model(engine: Engine) -> None:
 def test_demo_runner_api_still_works(engine: Engine, tmp_path: Path) -> None:
     prompts = [datasets.BenchPrompt("1", "a", "write code for x", True),
                datasets.BenchPrompt("2", "b", "def f ( x ) :", False)]
-    runs = run_methods(engine, prompts, {"plain": PLAIN, "draft k=3": SpecConfig("draft", 3)},
+    runs = run_methods(engine, prompts, {"plain": PLAIN, "draft k=3": SpecConfig("draft", 3, "fixed")},
                        SamplingParams(max_tokens=8), progress=False)
     rows = summarize(prompts, runs, baseline="plain")
     assert all(r.exact_match == 1.0 for r in rows)

@@ -26,7 +26,8 @@ def test_compiled_and_eager_give_identical_greedy_tokens(qwen2_tiny, qwen2_draft
     comp = _engine(qwen2_tiny.path, qwen2_draft_tiny.path, compile=True)
     assert isinstance(comp.target.forward, compiled.CompiledForward)
     params = SamplingParams(max_tokens=24, ignore_eos=True)
-    for spec in (None, SpecConfig(method="draft", k=2), SpecConfig(method="ngram", k=3)):
+    for spec in (None, SpecConfig(k_policy="fixed", method="draft", k=2), SpecConfig(k_policy="fixed",
+                                                                                     method="ngram", k=3)):
         want = eager.generate(PROMPT, params, spec)[0].token_ids
         got = comp.generate(PROMPT, params, spec)[0].token_ids
         assert got == want, spec

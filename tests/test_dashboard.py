@@ -30,7 +30,7 @@ DOCS_SHOT = ROOT / "docs" / "dashboard.png"
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     target, draft = make_tiny_pair(tmp_path_factory.mktemp("dashboard_models"))
     engine = Engine.from_pretrained(str(target), draft=str(draft), dtype="float32", max_len=256, progress=False)
-    config = ServerConfig(model_name="tiny", spec=SpecConfig(method="draft", k=4), spec_fraction=0.5)
+    config = ServerConfig(model_name="tiny", spec=SpecConfig(k_policy="fixed", method="draft", k=4), spec_fraction=0.5)
     with running_server(create_app(engine, config), config) as srv:
         yield srv
 

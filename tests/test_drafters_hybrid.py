@@ -89,7 +89,7 @@ def plain(engine):
 
 @pytest.mark.parametrize("k", [2, 4, 7])
 def test_hybrid_with_a_draft_model_matches_plain(engine, plain, k):
-    spec = SpecConfig(method="hybrid", k=k)
+    spec = SpecConfig(k_policy="fixed", method="hybrid", k=k)
     drafter = engine.drafter(spec)
     drafter.counts.clear()
     results = engine.generate(PROMPTS, GREEDY, spec)
@@ -118,7 +118,7 @@ class CheckedModelDrafter(ModelDrafter):
 def test_model_drafter_cache_stays_consistent_across_lookup_steps(engine, plain, qwen2_noisy_draft_tiny):
     checked = CheckedModelDrafter(qwen2_noisy_draft_tiny.model, engine.config.max_len)
     hybrid = HybridDrafter(NgramDrafter(), checked)
-    results = engine.generate(PROMPTS, GREEDY, SpecConfig(method="hybrid", k=4), drafter=hybrid)
+    results = engine.generate(PROMPTS, GREEDY, SpecConfig(k_policy="fixed", method="hybrid", k=4), drafter=hybrid)
     assert [r.token_ids for r in results] == plain
     assert checked.checked > 0 and hybrid.counts["ngram"] > 0
     assert checked.catch_ups > 0  # the model sat out lookup steps and caught up afterwards
@@ -126,7 +126,7 @@ def test_model_drafter_cache_stays_consistent_across_lookup_steps(engine, plain,
 
 def test_without_draft_or_layers_is_lookup_only(qwen2_tiny, plain):
     engine = make_engine(qwen2_tiny.model)
-    spec = SpecConfig(method="hybrid", k=3)
+    spec = SpecConfig(k_policy="fixed", method="hybrid", k=3)
     drafter = engine.drafter(spec)
     assert drafter.model is None
     results = engine.generate(PROMPTS, GREEDY, spec)
@@ -146,7 +146,7 @@ def tok_engine(tmp_path_factory) -> Engine:
 def test_hybrid_with_datastore_and_layerskip_matches_plain(tok_engine, tmp_path_factory, k):
     plain_tok = plain_outputs(tok_engine, PROMPTS)
     store = build_echo_store(tmp_path_factory.mktemp("echo"), tok_engine.tokenizer, PROMPTS, plain_tok)
-    spec = SpecConfig(method="hybrid", k=k, datastore=str(store), layers=1)
+    spec = SpecConfig(k_policy="fixed", method="hybrid", k=k, datastore=str(store), layers=1)
     drafter = tok_engine.drafter(spec)
     assert isinstance(drafter.retrieval, RetrievalDrafter) and isinstance(drafter.model, LayerSkipDrafter)
     results = tok_engine.generate(PROMPTS, GREEDY, spec)
@@ -167,7 +167,8 @@ def test_hybrid_sampling_is_exact(small_vocab_target, small_vocab_close_draft):
     docs = [[int(t) for t in torch.randint(0, 12, (40,), generator=gen)]]
     hybrid = HybridDrafter(NgramDrafter(), ModelDrafter(small_vocab_close_draft.model, engine.config.max_len),
                            RetrievalDrafter(memory_store(docs)))
-    counts = sampled_first_two(engine, prompt, params, SpecConfig(method="hybrid", k=3), 1200, drafter=hybrid)
+    counts = sampled_first_two(engine, prompt, params, SpecConfig(k_policy="fixed", method="hybrid", k=3), 1200,
+                               drafter=hybrid)
     assert hybrid.counts["ngram"] > 0 and hybrid.counts["draft"] > 0
     assert chi_square_p(counts, exact_first_two(target, prompt, params)) > 1e-3
 

@@ -43,7 +43,7 @@ def plain(engine):
 @pytest.mark.parametrize("layers", [1, 2, 3])
 @pytest.mark.parametrize("k", [1, 3, 6])
 def test_layerskip_greedy_matches_plain(engine, plain, layers, k):
-    results = engine.generate(PROMPTS, GREEDY, SpecConfig(method="layerskip", k=k, layers=layers))
+    results = engine.generate(PROMPTS, GREEDY, SpecConfig(k_policy="fixed", method="layerskip", k=k, layers=layers))
     assert [r.token_ids for r in results] == plain
     assert all(r.metrics.drafted > 0 for r in results)
 
@@ -52,7 +52,7 @@ def test_deeper_exits_agree_more(engine):
     # Not a law, but on this model the 3-layer draft should beat the 1-layer one: the drafts are real.
     rates = []
     for layers in (1, 3):
-        rs = engine.generate(PROMPTS, GREEDY, SpecConfig(method="layerskip", k=4, layers=layers))
+        rs = engine.generate(PROMPTS, GREEDY, SpecConfig(k_policy="fixed", method="layerskip", k=4, layers=layers))
         rates.append(sum(r.metrics.accepted for r in rs) / sum(r.metrics.drafted for r in rs))
     assert rates[1] > rates[0] and rates[1] > 0
 
@@ -117,13 +117,13 @@ def test_propose_refuses_a_cache_out_of_step(engine, deep):
 @pytest.mark.parametrize("layers", [0, -1, N_LAYERS, N_LAYERS + 3])
 def test_layers_out_of_range(engine, layers):
     with pytest.raises(VerispecError, match=r"1 <= layers < 4"):
-        engine.generate([3, 4], GREEDY, SpecConfig(method="layerskip", k=2, layers=layers))
+        engine.generate([3, 4], GREEDY, SpecConfig(k_policy="fixed", method="layerskip", k=2, layers=layers))
 
 
 def test_one_layer_target_cannot_skip(tmp_path):
     shallow = build_tiny(tmp_path / "one", vocab=12, layers=1, dim=32, heads=2, kv_heads=1)
     with pytest.raises(VerispecError, match="at least 2 layers"):
-        make_engine(shallow).generate([3, 4], GREEDY, SpecConfig(method="layerskip", k=2))
+        make_engine(shallow).generate([3, 4], GREEDY, SpecConfig(k_policy="fixed", method="layerskip", k=2))
 
 
 def test_default_layers():
@@ -150,6 +150,6 @@ def test_layerskip_sampling_is_exact(tmp_path):
     engine = make_engine(target)
     params = SamplingParams(temperature=1.0)
     prompt = [3, 4, 5]
-    spec = SpecConfig(method="layerskip", k=3, layers=2)
+    spec = SpecConfig(k_policy="fixed", method="layerskip", k=3, layers=2)
     counts = sampled_first_two(engine, prompt, params, spec, 1200)
     assert chi_square_p(counts, exact_first_two(target, prompt, params)) > 1e-3

@@ -277,7 +277,8 @@ def echo_store(tmp_path_factory, plain, tokenizer) -> Path:
 
 @pytest.mark.parametrize("k", [1, 3, 6])
 def test_retrieval_greedy_matches_plain(engine, plain, echo_store, k):
-    results = engine.generate(PROMPTS, GREEDY, SpecConfig(method="retrieval", k=k, datastore=str(echo_store)))
+    results = engine.generate(PROMPTS, GREEDY, SpecConfig(k_policy="fixed", method="retrieval", k=k,
+                                                          datastore=str(echo_store)))
     assert [r.token_ids for r in results] == plain
     drafted = sum(r.metrics.drafted for r in results)
     accepted = sum(r.metrics.accepted for r in results)
@@ -286,14 +287,15 @@ def test_retrieval_greedy_matches_plain(engine, plain, echo_store, k):
 
 def test_retrieval_needs_a_matching_datastore(engine, tmp_path, store_dir, other_tokenizer):
     with pytest.raises(VerispecError, match="needs a datastore"):
-        engine.generate([3, 4], GREEDY, SpecConfig(method="retrieval", k=3))
+        engine.generate([3, 4], GREEDY, SpecConfig(k_policy="fixed", method="retrieval", k=3))
     with pytest.raises(VerispecError, match="no datastore"):
-        engine.generate([3, 4], GREEDY, SpecConfig(method="retrieval", k=3, datastore=str(tmp_path / "x")))
+        engine.generate([3, 4], GREEDY, SpecConfig(k_policy="fixed", method="retrieval", k=3,
+                                                   datastore=str(tmp_path / "x")))
     other = tmp_path / "other"
     (tmp_path / "c.txt").write_text("hello world")
     build_datastore([tmp_path / "c.txt"], other_tokenizer, other, progress=False)
     with pytest.raises(VerispecError, match="another tokenizer"):
-        engine.generate([3, 4], GREEDY, SpecConfig(method="retrieval", k=3, datastore=str(other)))
+        engine.generate([3, 4], GREEDY, SpecConfig(k_policy="fixed", method="retrieval", k=3, datastore=str(other)))
 
 
 def test_retrieval_sampling_is_exact(tmp_path):
@@ -306,7 +308,7 @@ def test_retrieval_sampling_is_exact(tmp_path):
     docs = [prompt + engine.generate(prompt, SamplingParams(max_tokens=4, seed=1000 + i, temperature=1.0))[0].token_ids
             for i in range(40)]
     drafter = RetrievalDrafter(memory_store(docs))
-    spec = SpecConfig(method="retrieval", k=3)
+    spec = SpecConfig(k_policy="fixed", method="retrieval", k=3)
     counts = sampled_first_two(engine, prompt, params, spec, 1200, drafter=drafter)
     assert chi_square_p(counts, exact_first_two(target, prompt, params)) > 1e-3
 

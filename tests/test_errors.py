@@ -156,7 +156,7 @@ def test_draft_target_vocabulary_mismatch(qwen2_tiny, other_vocab_draft):
 
 def test_draft_method_without_draft_model(engine):
     with pytest.raises(VerispecError, match="draft"):
-        engine.generate([3, 4], SamplingParams(max_tokens=2), SpecConfig(method="draft", k=2))
+        engine.generate([3, 4], SamplingParams(max_tokens=2), SpecConfig(k_policy="fixed", method="draft", k=2))
 
 
 def test_context_longer_than_the_model_supports(qwen2_tiny):
@@ -207,8 +207,8 @@ def test_bad_spec_config(kwargs):
 
 
 def test_k_range_edges():
-    assert not SpecConfig(method="draft", k=0).enabled
-    assert SpecConfig(method="draft", k=64).enabled
+    assert not SpecConfig(k_policy="fixed", method="draft", k=0).enabled
+    assert SpecConfig(k_policy="fixed", method="draft", k=64).enabled
 
 
 # -- prompts ----------------------------------------------------------------------------------

@@ -389,7 +389,7 @@ def test_bf16_speculative_decoding_matches_plain_decoding(bf16_dense_model):
     plain = [r.token_ids for r in engine.generate(PROMPTS, params)]
     assert len({tuple(t) for t in plain}) > 1
     for k in (3, 12):  # 12: blocks of 13 rows, past one pass of 8
-        spec = SpecConfig(method="layerskip", k=k, layers=2)
+        spec = SpecConfig(k_policy="fixed", method="layerskip", k=k, layers=2)
         assert [r.token_ids for r in engine.generate(PROMPTS, params, spec=spec)] == plain, k
 
 

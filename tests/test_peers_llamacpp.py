@@ -155,7 +155,7 @@ class _FakeLlamaCpp:
 
     def __init__(self, engine: Any, lookup_tokens: int) -> None:
         self.engine, self.path, self.threads = engine, Path("fake.gguf"), torch.get_num_threads()
-        self.lookup = SpecConfig("ngram", lookup_tokens)
+        self.lookup = SpecConfig("ngram", lookup_tokens, "fixed")
 
     @classmethod
     def load(cls, engine: Any, model: str, lookup_tokens: int, n_ctx: int) -> _FakeLlamaCpp:

@@ -164,7 +164,7 @@ def test_greedy_speculation_with_an_int4_target_matches_plain(int4_pair, k):
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     plain = [r.token_ids for r in engine_for(target).generate(prompts, params)]
     assert len(set(map(tuple, plain))) > 1
-    spec = engine_for(target, draft).generate(prompts, params, SpecConfig(method="draft", k=k))
+    spec = engine_for(target, draft).generate(prompts, params, SpecConfig(k_policy="fixed", method="draft", k=k))
     assert [r.token_ids for r in spec] == plain
     assert sum(r.metrics.accepted for r in spec) > 0
 
@@ -179,7 +179,8 @@ def test_sampling_with_an_int4_target_is_exact(tmp_path):
     probs = exact_first_two(target, [3, 5, 7, 2], params)
     # The draft really differs (TV ~0.37 here, ~2/3 of drafts accepted): both branches of the rule run.
     assert 0.5 * abs(probs - exact_first_two(draft, [3, 5, 7, 2], params)).sum() > 0.1
-    counts = sampled_first_two(engine_for(target, draft, 32), [3, 5, 7, 2], params, SpecConfig(method="draft", k=2),
+    counts = sampled_first_two(engine_for(target, draft, 32), [3, 5, 7, 2], params, SpecConfig(k_policy="fixed",
+                                                                                               method="draft", k=2),
                                1500)
     assert chi_square_p(counts, probs) > 1e-3
 

@@ -103,7 +103,7 @@ def test_speculative_greedy_equals_plain_on_real_pair(pair: Engine) -> None:
     params = SamplingParams(max_tokens=32)
     texts = [p.text for p in prompts]
     plain = pair.generate(texts, params, chat=True)
-    for spec in (SpecConfig(method="draft", k=4), SpecConfig(method="ngram", k=4)):
+    for spec in (SpecConfig(k_policy="fixed", method="draft", k=4), SpecConfig(k_policy="fixed", method="ngram", k=4)):
         spec_out = pair.generate(texts, params, spec, chat=True)
         for p, a, b in zip(prompts, plain, spec_out, strict=True):
             assert a.token_ids == b.token_ids, f"{spec.method} diverged on {p.category} prompt {p.id}"

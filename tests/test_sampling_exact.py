@@ -138,7 +138,7 @@ CASES = {
 def test_draft_sampling_matches_target(engine, small_vocab_target, case):
     sampling, k = CASES[case]
     joint = exact_joint(small_vocab_target.model, PROMPT, SamplingParams(**sampling))
-    counts, drafted, accepted = draw(engine, PROMPT, SpecConfig(method="draft", k=k), **sampling)
+    counts, drafted, accepted = draw(engine, PROMPT, SpecConfig(k_policy="fixed", method="draft", k=k), **sampling)
     # Both branches of the rejection rule ran many times.
     assert 0.2 * drafted < accepted < 0.95 * drafted, (accepted, drafted)
     p = gof_pvalue(counts, joint)
@@ -148,14 +148,15 @@ def test_draft_sampling_matches_target(engine, small_vocab_target, case):
 def test_unrelated_draft_sampling_matches_target(small_vocab_target, small_vocab_draft):
     engine = make_engine(small_vocab_target, small_vocab_draft)
     joint = exact_joint(small_vocab_target.model, PROMPT, SamplingParams(temperature=1.0))
-    counts, drafted, accepted = draw(engine, PROMPT, SpecConfig(method="draft", k=2), n=2000, temperature=1.0)
+    counts, drafted, accepted = draw(engine, PROMPT, SpecConfig(k_policy="fixed", method="draft", k=2), n=2000,
+                                     temperature=1.0)
     assert 0 < accepted < drafted
     assert gof_pvalue(counts, joint) > ALPHA
 
 
 def test_ngram_sampling_matches_target(engine, small_vocab_target):
     params = SamplingParams(temperature=1.0)
-    spec = SpecConfig(method="ngram", k=2)
+    spec = SpecConfig(k_policy="fixed", method="ngram", k=2)
     # The n-gram drafter's deterministic proposal, and the target's view of it.
     assert engine.drafter(spec).propose(NGRAM_PROMPT, 2, params, None).tokens == [9, 10]
     joint = exact_joint(small_vocab_target.model, NGRAM_PROMPT, params)
@@ -187,7 +188,8 @@ def test_negative_control_wrong_verifier_is_caught(engine, small_vocab_target, m
     sampling, k = CASES[case]
     monkeypatch.setattr(verispec.engine.step, "verify_sampling", verifier)
     joint = exact_joint(small_vocab_target.model, PROMPT, SamplingParams(**sampling))
-    counts, drafted, accepted = draw(engine, PROMPT, SpecConfig(method="draft", k=k), n=1500, **sampling)
+    counts, drafted, accepted = draw(engine, PROMPT, SpecConfig(k_policy="fixed", method="draft", k=k), n=1500,
+                                     **sampling)
     if verifier is always_accept:
         assert accepted == drafted > 0  # the patch is in effect
     # Samples on impossible outcomes (outside top-k) are a detection too; else the chi-square test must fire.
@@ -196,7 +198,8 @@ def test_negative_control_wrong_verifier_is_caught(engine, small_vocab_target, m
         assert p < ALPHA, f"the goodness-of-fit test missed a biased verifier (p = {p:.2e})"
 
 
-@pytest.mark.parametrize("spec", [None, SpecConfig(method="draft", k=3), SpecConfig(method="ngram", k=3)],
+@pytest.mark.parametrize("spec", [None, SpecConfig(k_policy="fixed", method="draft", k=3),
+                                  SpecConfig(k_policy="fixed", method="ngram", k=3)],
                          ids=["plain", "draft", "ngram"])
 def test_seeded_runs_are_reproducible(engine, spec):
     prompt = NGRAM_PROMPT
@@ -214,7 +217,7 @@ def test_greedy_sampling_params_are_greedy(engine):
     # temperature 0 ignores the seed and equals plain greedy, speculative or not.
     ref = engine.generate(PROMPT, SamplingParams(max_tokens=8, ignore_eos=True))[0].token_ids
     for seed in (1, 2):
-        for spec in (None, SpecConfig(method="draft", k=3)):
+        for spec in (None, SpecConfig(k_policy="fixed", method="draft", k=3)):
             params = SamplingParams(max_tokens=8, ignore_eos=True, seed=seed)
             assert engine.generate(PROMPT, params, spec)[0].token_ids == ref
 

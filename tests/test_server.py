@@ -50,7 +50,7 @@ def engine(pair: tuple[str, str]) -> Engine:
 
 @pytest.fixture(scope="module")
 def server(engine: Engine) -> Iterator[Any]:
-    config = ServerConfig(model_name=MODEL, spec=SpecConfig(method="draft", k=4), spec_fraction=0.5,
+    config = ServerConfig(model_name=MODEL, spec=SpecConfig(k_policy="fixed", method="draft", k=4), spec_fraction=0.5,
                           admin_token=ADMIN, max_queue=64)
     app = create_app(engine, config)
     with running_server(app, config) as srv:
@@ -546,7 +546,8 @@ def test_overload_then_graceful_shutdown(pair: tuple[str, str], monkeypatch: pyt
                                          max_batch: int) -> None:
     engine = Engine.from_pretrained(pair[0], draft=pair[1], dtype="float32", max_len=MAX_LEN, progress=False)
     _slow_generate(monkeypatch, engine, 0.01)
-    config = ServerConfig(model_name=MODEL, spec=SpecConfig(method="draft", k=4), max_batch=max_batch, max_queue=1,
+    config = ServerConfig(model_name=MODEL, spec=SpecConfig(k_policy="fixed", method="draft", k=4),
+                          max_batch=max_batch, max_queue=1,
                           retry_after_s=2)
     app = create_app(engine, config)
     long = {"model": MODEL, "prompt": "busy", "max_tokens": 200, "ignore_eos": True, **GREEDY}
@@ -588,10 +589,11 @@ def test_batching_unavailable_method_is_a_clean_400(pair: tuple[str, str]) -> No
     # Layer-skip drafts on the target's one-row cache: the batch worker refuses it up front.
     engine = Engine.from_pretrained(pair[0], dtype="float32", max_len=MAX_LEN, progress=False)
     with pytest.raises(VerispecError, match="max-batch 1"):
-        create_app(engine, ServerConfig(model_name=MODEL, spec=SpecConfig(method="layerskip", k=3)))
-    app = create_app(engine, ServerConfig(model_name=MODEL, spec=SpecConfig(method="ngram", k=3), max_batch=1))
+        create_app(engine, ServerConfig(model_name=MODEL, spec=SpecConfig(k_policy="fixed", method="layerskip", k=3)))
+    app = create_app(engine, ServerConfig(model_name=MODEL, spec=SpecConfig(k_policy="fixed", method="ngram",
+                                                                            k=3), max_batch=1))
     assert "layerskip" in app.state.verispec.worker.available_methods  # the one-request worker serves it
-    config = ServerConfig(model_name=MODEL, spec=SpecConfig(method="ngram", k=3), max_batch=3)
+    config = ServerConfig(model_name=MODEL, spec=SpecConfig(k_policy="fixed", method="ngram", k=3), max_batch=3)
     app = create_app(engine, config)
     assert "layerskip" not in app.state.verispec.worker.available_methods
     with running_server(app, config) as srv, httpx.Client(base_url=srv.base_url, timeout=30) as client:

@@ -55,7 +55,7 @@ def plain(noisy_engine):
 
 
 def spec_draft(k: int) -> SpecConfig:
-    return SpecConfig(method="draft", k=k)
+    return SpecConfig(k_policy="fixed", method="draft", k=k)
 
 
 def test_plain_output_is_not_degenerate(plain):
@@ -161,7 +161,7 @@ def test_drafter_proposing_more_than_k_is_clipped(noisy_engine, qwen2_tiny, plai
 
 
 def test_ngram_matches_plain(noisy_engine, plain):
-    results = noisy_engine.generate(PROMPTS, GREEDY, SpecConfig(method="ngram", k=4))
+    results = noisy_engine.generate(PROMPTS, GREEDY, SpecConfig(k_policy="fixed", method="ngram", k=4))
     assert [r.token_ids for r in results] == plain
     assert sum(r.metrics.drafted for r in results) > 0
 
@@ -193,7 +193,7 @@ def test_eos_inside_draft(qwen2_tiny, qwen2_noisy_draft_tiny, plain, draft, k):
     drafter_model = {"same": qwen2_tiny, "noisy": qwen2_noisy_draft_tiny, "ngram": None}[draft]
     engine = make_engine(qwen2_tiny, drafter_model, eos_ids={eos})
     params = SamplingParams(max_tokens=32)
-    spec = SpecConfig(method="ngram", k=k) if draft == "ngram" else spec_draft(k)
+    spec = SpecConfig(k_policy="fixed", method="ngram", k=k) if draft == "ngram" else spec_draft(k)
     ref = engine.generate(prompt, params)[0]
     assert ref.finish_reason == "stop"
     assert ref.token_ids == plain[0][:cut]
@@ -237,7 +237,7 @@ def test_cache_runs_out_mid_generation(qwen2_tiny, k, method):
     params = SamplingParams(max_tokens=100, ignore_eos=True)
     prompt = PROMPTS[1]
     ref = engine.generate(prompt, params)[0]
-    got = engine.generate(prompt, params, SpecConfig(method=method, k=k))[0]
+    got = engine.generate(prompt, params, SpecConfig(k_policy="fixed", method=method, k=k))[0]
     assert len(ref.token_ids) == max_len - len(prompt)
     assert ref.finish_reason == got.finish_reason == "length"
     assert got.token_ids == ref.token_ids
@@ -245,14 +245,14 @@ def test_cache_runs_out_mid_generation(qwen2_tiny, k, method):
 
 def test_requests_do_not_leak_state(noisy_engine, plain):
     # The drafter (and its KV cache / n-gram index) is reused across requests.
-    for spec in (spec_draft(4), SpecConfig(method="ngram", k=3)):
+    for spec in (spec_draft(4), SpecConfig(k_policy="fixed", method="ngram", k=3)):
         order = [2, 0, 1, 0, 2]
         results = noisy_engine.generate([PROMPTS[i] for i in order], GREEDY, spec)
         assert [r.token_ids for r in results] == [plain[i] for i in order]
 
 
 def test_k_zero_and_method_none_are_plain(noisy_engine, plain):
-    for spec in (SpecConfig(method="draft", k=0), SpecConfig(method="none", k=5)):
+    for spec in (SpecConfig(k_policy="fixed", method="draft", k=0), SpecConfig(k_policy="fixed", method="none", k=5)):
         r = noisy_engine.generate(PROMPTS[0], GREEDY, spec)[0]
         assert r.token_ids == plain[0]
         assert r.metrics.drafted == 0
@@ -260,7 +260,7 @@ def test_k_zero_and_method_none_are_plain(noisy_engine, plain):
 
 # -- metrics --------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("spec", [spec_draft(3), spec_draft(7), SpecConfig(method="ngram", k=4)],
+@pytest.mark.parametrize("spec", [spec_draft(3), spec_draft(7), SpecConfig(k_policy="fixed", method="ngram", k=4)],
                          ids=["draft-k3", "draft-k7", "ngram-k4"])
 def test_metrics_are_consistent(noisy_engine, spec):
     results = noisy_engine.generate(PROMPTS, GREEDY, spec)

@@ -36,10 +36,10 @@ DEADLINE_S = 120  # spawn + imports on a loaded 2-core machine; a healthy run ta
 MAX_LEN = 128
 PROMPTS = [[3, 5, 7, 9], [10, 20, 30, 40, 50, 60, 10, 20, 30], [2]]
 RUNS = {  # label: (SpecConfig, SamplingParams)
-    "draft_greedy": (SpecConfig(method="draft", k=4), SamplingParams(max_tokens=24, ignore_eos=True)),
-    "draft_k1": (SpecConfig(method="draft", k=1), SamplingParams(max_tokens=12, ignore_eos=True)),
-    "plain": (SpecConfig(method="none", k=0), SamplingParams(max_tokens=12, ignore_eos=True)),
-    "draft_sampled": (SpecConfig(method="draft", k=3),
+    "draft_greedy": (SpecConfig(k_policy="fixed", method="draft", k=4), SamplingParams(max_tokens=24, ignore_eos=True)),
+    "draft_k1": (SpecConfig(k_policy="fixed", method="draft", k=1), SamplingParams(max_tokens=12, ignore_eos=True)),
+    "plain": (SpecConfig(k_policy="fixed", method="none", k=0), SamplingParams(max_tokens=12, ignore_eos=True)),
+    "draft_sampled": (SpecConfig(k_policy="fixed", method="draft", k=3),
                       SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.8, seed=11)),
 }
 

@@ -58,10 +58,10 @@ def advise(engine: Engine, prompts: list[str] | None = None, k_max: int = 16, to
     base_costs: CostModel | None = None
     advice: list[MethodAdvice] = []
     for method in methods:
-        drafter = engine.drafter(SpecConfig(method=method, k=k_max))
+        drafter = engine.drafter(SpecConfig(method=method, k=k_max, k_policy="fixed"))
         costs = engine.profile(drafter, k_max)
         base_costs = base_costs or costs
-        cal = _calibrate(engine, prompts, SpecConfig(method=method, k=4), tokens, chat)
+        cal = _calibrate(engine, prompts, SpecConfig(method=method, k=4, k_policy="fixed"), tokens, chat)
         a = cal.acceptance_rate
         proposing = cal.drafted_by_position[0] if cal.drafted_by_position else 0
         hit = proposing / cal.steps if cal.steps else 0.0
@@ -74,7 +74,8 @@ def advise(engine: Engine, prompts: list[str] | None = None, k_max: int = 16, to
     plain_tps = _measure(engine, prompts, PLAIN, tokens, chat)
     measured: dict[int, float] = {}
     for k in sorted({*measure_ks, top.best_k} - {0}):
-        measured[k] = _measure(engine, prompts, SpecConfig(method=top.method, k=k), tokens, chat) / plain_tps
+        measured[k] = _measure(engine, prompts, SpecConfig(method=top.method, k=k, k_policy="fixed"), tokens,
+                               chat) / plain_tps
     rec_pred = top.predicted[top.best_k]
     rec_meas = measured.get(top.best_k, 1.0)
     pays = top.best_k > 0 and rec_meas > 1.05

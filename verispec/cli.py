@@ -52,7 +52,8 @@ def _add_spec_args(p: argparse.ArgumentParser) -> None:
                    "else none)")
     p.add_argument("-k", type=int, default=5, help="draft tokens per step (the largest k for adaptive policies)")
     p.add_argument("--k-policy", default=SpecConfig.k_policy,
-                   help="fixed, heuristic, confidence or cost (choose k per step from measured costs)")
+                   help="cost (the default: k per step from measured costs and acceptance, 0 where drafting "
+                   "does not pay), fixed, heuristic or confidence")
     p.add_argument("--datastore", help="retrieval/hybrid: a datastore built by `verispec datastore build`")
     p.add_argument("--layers", type=int, help="layerskip: how many of the target's layers draft (default: a quarter)")
 

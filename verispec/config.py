@@ -91,7 +91,7 @@ class SpecConfig:
 
     method: str = "draft"
     k: int = 5  # the fixed k, or the largest k an adaptive policy may choose
-    k_policy: str = "fixed"
+    k_policy: str = "cost"  # k from measured costs and acceptance; "fixed" drafts spec.k every step
     confidence: float = 0.3  # k_policy "confidence": the draft model stops below this top probability
     ngram_max: int = 4
     ngram_min: int = 1

@@ -22,8 +22,9 @@ def run_demo(out: str, n_prompts: int = 4, max_tokens: int = 96) -> None:
     if datasets.default_spec_bench().is_file():
         prompts += datasets.spec_bench(categories=["summarization", "qa"], per_category=max(1, n_prompts // 4))
     engine = Engine.from_pretrained(TARGET, draft=DRAFT, dtype="auto", draft_weights="int8", max_len=2048)
-    methods = {"plain": PLAIN, "draft k=5": SpecConfig(method="draft", k=5),
-               "ngram k=5": SpecConfig(method="ngram", k=5), "hybrid k=5": SpecConfig(method="hybrid", k=5)}
+    methods = {"plain": PLAIN, "draft k=5": SpecConfig(method="draft", k=5, k_policy="fixed"),
+               "ngram k=5": SpecConfig(method="ngram", k=5, k_policy="fixed"),
+               "hybrid k=5": SpecConfig(method="hybrid", k=5, k_policy="fixed")}
     runs = run_methods(engine, prompts, methods, SamplingParams(max_tokens=max_tokens))
     rows = summarize(prompts, runs, baseline="plain")
     info = machine()

@@ -119,7 +119,8 @@ def _run(engine: Engine, case: StabilityCase, method: Method | None, deadline_s:
     try:
         if method is None:
             # Any enabled spec will do: the drafter argument replaces the one the spec names; k = 5 applies.
-            res = engine.generate(case.prompt, params, SpecConfig("ngram", 5), chat=case.chat, drafter=NullDrafter(),
+            res = engine.generate(case.prompt, params, SpecConfig("ngram", 5, "fixed"), chat=case.chat,
+                                  drafter=NullDrafter(),
                                   on_tokens=within_deadline)[0]
         else:
             res = engine.generate(case.prompt, params, method.spec, chat=case.chat, on_tokens=within_deadline)[0]
