@@ -167,8 +167,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           max_batch=args.max_batch, max_queue=args.max_queue)
     _no_tp(args)
     engine = Engine.from_pretrained(args.model, draft=args.draft, **_engine_kwargs(args))
-    serve(engine, config, log_level="info" if args.verbose else "warning")
-    return 0
+    interrupted = serve(engine, config, log_level="info" if args.verbose else "warning")
+    return 130 if interrupted else 0
 
 
 def build_parser() -> argparse.ArgumentParser:

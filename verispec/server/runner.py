@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import signal
 import socket
+from types import FrameType
 
 import uvicorn
 from fastapi import FastAPI
@@ -24,6 +26,14 @@ class VerispecServer(uvicorn.Server):
                                         access_log=access_log, lifespan="on",
                                         timeout_graceful_shutdown=int(config.shutdown_timeout_s)))
         self.app = app
+        self.interrupted = False  # a SIGINT (Ctrl-C) ended the server
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # uvicorn re-raises a captured SIGINT after shutting down, but inside asyncio.run, whose own
+        # handler may find the main task already finished and return normally: record it here so
+        # the exit status says "interrupted" either way.
+        self.interrupted |= sig == signal.SIGINT
+        super().handle_exit(sig, frame)
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         state = self.app.state.verispec
@@ -32,8 +42,10 @@ class VerispecServer(uvicorn.Server):
         await super().shutdown(sockets=sockets)
 
 
-def serve(engine: Engine, config: ServerConfig, log_level: str = "info") -> None:
-    """Serve ``engine`` until interrupted (Ctrl-C or SIGTERM shut down gracefully)."""
+def serve(engine: Engine, config: ServerConfig, log_level: str = "info") -> bool:
+    """Serve ``engine`` until interrupted (Ctrl-C or SIGTERM shut down gracefully); True after a Ctrl-C."""
     from verispec.server.app import create_app
 
-    VerispecServer(create_app(engine, config), config, log_level=log_level).run()
+    server = VerispecServer(create_app(engine, config), config, log_level=log_level)
+    server.run()
+    return server.interrupted
