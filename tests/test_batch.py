@@ -282,10 +282,9 @@ def test_policy_keeps_a_row_plain_when_its_draft_catch_up_cannot_pay_back():
     cheap = BatchPolicy(BatchCostModel(costs.target, costs.draft, catch_up_per_token_s=1e-6))
     row = RowPlan(cap=5, acceptance=0.8, catch_up=3, horizon=10)
     assert cheap.choose([row]) > 0 and row.cap == 5
-    # A probe (poor acceptance keeps the batch plain) takes only rows whose catch-up perfect
-    # acceptance could win back.
+    # A probe (poor acceptance keeps the batch plain) takes only rows whose draft is caught up.
     prober = BatchPolicy(costs, probe_every=1)
-    far, near = RowPlan(cap=5, acceptance=0.01, catch_up=500, horizon=10), RowPlan(cap=5, acceptance=0.01)
+    far, near = RowPlan(cap=5, acceptance=0.01, catch_up=500, horizon=1000), RowPlan(cap=5, acceptance=0.01)
     assert prober.choose([far, near]) == prober.probe_k and (far.cap, near.cap) == (0, 5)
     # Measured catch-ups: what exceeds one one-row forward each is charged per token read.
     costs.observe_catch_up(count=2, tokens=100, seconds=2 * 0.01 + 0.1)

@@ -176,20 +176,24 @@ class BatchPolicy:
                 self._plain_streak = 0
                 probe = min(self.probe_k, max(governed))
                 if probe and self.goodput(plans, probe, span, optimistic=True) > self.goodput(plans, 0, span):
-                    # Rows join the probe only if even perfect acceptance would win their catch-up back.
-                    self._exclude_unpaid_catch_ups(plans, span, probe, optimistic=True)
+                    # A probe is a cheap look at acceptance: rows whose draft would first have to read
+                    # what they generated while plain stay out (such a catch-up is a forward of its own
+                    # per row, dearer than what one probe step can learn). New rows still bring the
+                    # acceptance their drafter showed on earlier requests.
+                    for p in plans:
+                        if p.acceptance is not None and p.model_draft and p.catch_up > 0:
+                            p.cap = 0
                     k = probe
         else:
             self._plain_streak = 0
         self.chosen[k] = self.chosen.get(k, 0) + 1
         return k
 
-    def _exclude_unpaid_catch_ups(self, plans: list[RowPlan], span: int | None, k: int,
-                                  optimistic: bool = False) -> bool:
+    def _exclude_unpaid_catch_ups(self, plans: list[RowPlan], span: int | None, k: int) -> bool:
         """Set ``cap = 0`` for rows whose catch-up the saving at ``k`` cannot win back; True if any."""
         if self.costs.draft is None:
             return False
-        saved = self.costs.step_s(span or len(plans), 0) / len(plans) - 1.0 / self.goodput(plans, k, span, optimistic)
+        saved = self.costs.step_s(span or len(plans), 0) / len(plans) - 1.0 / self.goodput(plans, k, span)
         excluded = False
         for p in plans:
             if p.acceptance is not None and p.model_draft and p.catch_up > 0 and p.horizon is not None and \
