@@ -16,13 +16,12 @@ row, from each row's own acceptance estimate). Rows that fix their own k (``k_po
 
 from __future__ import annotations
 
-import time
 from bisect import bisect_left
 from dataclasses import dataclass, field
 
 import torch
 
-from verispec.engine.metrics import sync
+from verispec.engine.metrics import seconds_of
 from verispec.engine.policy import expected_tokens
 from verispec.models.llama import Transformer
 
@@ -128,6 +127,11 @@ class RowPlan:
     catch_up: int = 0  # tokens the draft model must read for this row before it can draft
     horizon: int | None = None  # tokens the row is expected to still produce (None: unknown)
 
+    @property
+    def must_catch_up(self) -> bool:
+        """A policy-governed model-draft row whose draft must first read context on its own."""
+        return self.acceptance is not None and self.model_draft and self.catch_up > 0
+
 
 @dataclass
 class BatchPolicy:
@@ -181,7 +185,7 @@ class BatchPolicy:
                     # per row, dearer than what one probe step can learn). New rows still bring the
                     # acceptance their drafter showed on earlier requests.
                     for p in plans:
-                        if p.acceptance is not None and p.model_draft and p.catch_up > 0:
+                        if p.must_catch_up:
                             p.cap = 0
                     k = probe
         else:
@@ -196,8 +200,7 @@ class BatchPolicy:
         saved = self.costs.step_s(span or len(plans), 0) / len(plans) - 1.0 / self.goodput(plans, k, span)
         excluded = False
         for p in plans:
-            if p.acceptance is not None and p.model_draft and p.catch_up > 0 and p.horizon is not None and \
-                    saved * p.horizon <= self.costs.catch_up_s(p.catch_up):
+            if p.must_catch_up and p.horizon is not None and saved * p.horizon <= self.costs.catch_up_s(p.catch_up):
                 p.cap, excluded = 0, True
         return excluded
 
@@ -223,14 +226,8 @@ def profile_costs(target: Transformer, draft: Transformer | None, max_rows: int,
         cache = draft.new_cache(1, context)
         tokens = ((torch.arange(context, device=draft.device) * 7 + 3) % draft.args.vocab_size).unsqueeze(0)
         pos = torch.arange(context, device=draft.device).unsqueeze(0)
-        times = []
-        for _ in range(reps + 1):
-            sync(draft.device)
-            t0 = time.perf_counter()
-            draft(tokens, pos, cache, last_only=True)
-            sync(draft.device)
-            times.append(time.perf_counter() - t0)
-        catch_up = max(0.0, min(times[1:]) - draft_pts[1]) / context  # beyond one one-row forward
+        times = seconds_of(lambda: draft(tokens, pos, cache, last_only=True), draft.device, reps)
+        catch_up = max(0.0, min(times) - draft_pts[1]) / context  # beyond one one-row forward
     return BatchCostModel(CostCurve(target_pts), CostCurve(draft_pts) if draft_pts else None, catch_up)
 
 
@@ -246,12 +243,8 @@ def _time_grid(model: Transformer, batch_sizes: list[int], widths: range | tuple
         for m in widths:
             tokens = prefix[:m].expand(b, -1).contiguous()
             pos = (context + torch.arange(m, device=device)).expand(b, -1)
-            times = []
-            for _ in range(reps + 1):  # the first run warms up this shape
-                sync(device)
-                t0 = time.perf_counter()
-                model(tokens, pos, cache, rows=slice(0, b))
-                sync(device)
-                times.append(time.perf_counter() - t0)
-            samples.setdefault(b * m, []).append(sorted(times[1:])[reps // 2])
+            times = seconds_of(lambda tokens=tokens, pos=pos, b=b: model(tokens, pos, cache, rows=slice(0, b)),
+                             device, reps)
+            samples.setdefault(b * m, []).append(sorted(times)[reps // 2])
     return {t: sum(v) / len(v) for t, v in samples.items()}
+

@@ -14,7 +14,7 @@ from verispec.config import PLAIN, EngineConfig, SpecConfig, resolve_dtype
 from verispec.drafters import make_drafter
 from verispec.drafters.base import Drafter
 from verispec.engine.compiled import cache_slack, compile_model
-from verispec.engine.metrics import Metrics, sync
+from verispec.engine.metrics import Metrics, seconds_of
 from verispec.engine.policy import Acceptance, AnswerLengths, CostModel, make_policy
 from verispec.engine.step import speculative_step
 from verispec.engine.stopping import append_tokens, final_text, hit_stop, k_cap
@@ -153,15 +153,11 @@ class Engine:
         self.cache.lengths[0] = context - 1
         verify_s = []
         for m in range(1, k_max + 2):
-            times = []
-            for _ in range(reps):
-                sync(dev)
-                t0 = time.perf_counter()
-                self.target(torch.tensor([seq[-m:]], device=dev),
-                            torch.arange(context - 1, context - 1 + m, device=dev).unsqueeze(0),
-                            self.cache, kv_len=context - 1 + m)
-                sync(dev)
-                times.append(time.perf_counter() - t0)
+            tokens = torch.tensor([seq[-m:]], device=dev)
+            pos = torch.arange(context - 1, context - 1 + m, device=dev).unsqueeze(0)
+            times = seconds_of(lambda tokens=tokens, pos=pos, m=m: self.target(tokens, pos, self.cache,
+                                                                               kv_len=context - 1 + m),
+                               dev, reps, warmup=0)
             verify_s.append(min(times))  # noise only ever adds time
         draft_s = catch_up_s = 0.0
         if drafter is not None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -22,6 +22,18 @@ def sync(device: torch.device | None = None) -> None:
     """
     if torch.cuda.is_initialized() and (device is None or device.type == "cuda"):
         torch.cuda.synchronize(device)
+
+
+def seconds_of(run: Callable[[], object], device: torch.device, reps: int, warmup: int = 1) -> list[float]:
+    """Seconds of each of ``reps`` calls of ``run`` (GPU work included), after ``warmup`` untimed ones."""
+    times = []
+    for _ in range(warmup + reps):
+        sync(device)
+        t0 = time.perf_counter()
+        run()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return times[warmup:]
 
 @dataclass
 class Metrics:

@@ -151,12 +151,13 @@ class AnswerLengths:
     """
 
     window: int = 64
-    recent: deque = field(default_factory=deque)  # (length, cut by its limit)
+    recent: deque = field(init=False)  # (length, cut by its limit), the latest ``window``
+
+    def __post_init__(self) -> None:
+        self.recent = deque(maxlen=self.window)
 
     def add(self, length: int, cut: bool) -> None:
         self.recent.append((length, cut))
-        while len(self.recent) > self.window:
-            self.recent.popleft()
 
     def expected_remaining(self, generated: int, limit_left: int) -> int:
         """Expected tokens still to come after ``generated``, at most ``limit_left``."""
