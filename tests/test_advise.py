@@ -26,6 +26,16 @@ def test_cost_model_prefers_plain_when_drafts_are_expensive_and_deep_k_when_chea
     assert CostModel(draft_s=0.001, verify_s=steep).best_k(0.6, 8) == 0
 
 
+def test_a_marginal_predicted_gain_stays_plain():
+    costs = CostModel(draft_s=0.01, verify_s=[0.1, 0.1, 0.1])
+    # a = 0.13: k = 1 is predicted 1.03x plain decoding, k = 2 less.
+    assert costs.speedup(0.13, 1) == pytest.approx(1.03, abs=0.01)
+    assert costs.best_k(0.13, 2) == 1
+    assert costs.best_k(0.13, 2, min_gain=0.05) == 0
+    assert costs.best_k(0.5, 2, min_gain=0.05) == 2  # 1.46x: clears the bar
+    assert CostK(costs, k_max=2, acceptance=Acceptance(prior_a=0.13, prior_weight=1e9)).choose(2) == 0
+
+
 def test_online_timings_rescale_the_whole_curve():
     costs = CostModel(draft_s=0.01, verify_s=[0.1, 0.11, 0.12])
     for _ in range(200):

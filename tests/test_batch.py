@@ -245,6 +245,17 @@ def test_policy_speculates_alone_and_not_when_compute_bound():
     assert policy.goodput(mixed, 0) < policy.goodput([RowPlan(cap=6, acceptance=0.8)] * 2, 0)
 
 
+def test_policy_needs_a_clear_predicted_gain_to_speculate():
+    # Flat target, draft forwards at 40% of a target step: a = 0.5 at k = 1 predicts 1.07x, a = 0.45 1.04x.
+    costs = BatchCostModel(CostCurve({1: 0.1, 1024: 0.1}, smoothing=0), CostCurve({1: 0.04, 64: 0.04}, smoothing=0))
+    policy = BatchPolicy(costs, probe_every=1000)
+    row = [RowPlan(1, 0.45)]
+    assert policy.goodput(row, 1) / policy.goodput(row, 0) == pytest.approx(1.036, abs=1e-3)
+    assert policy.choose([RowPlan(cap=1, acceptance=0.5)] * 4) == 1
+    assert policy.choose([RowPlan(cap=1, acceptance=0.45)] * 4) == 0
+    assert BatchPolicy(costs, probe_every=1000, min_gain=0.0).choose([RowPlan(cap=1, acceptance=0.45)] * 4) == 1
+
+
 def test_policy_picks_k0_in_the_engine_when_compute_bound(engine, reference):
     spec = SPECS["draft-cost"]
     be = BatchEngine(engine, max_batch=8, costs=BatchCostModel(CostCurve({1: 1e-3, 100: 0.1}, smoothing=0)))
@@ -303,7 +314,7 @@ def test_cost_curve_learns_between_profiled_points_only():
 
 def test_profiled_costs_are_monotone(engine):
     be = BatchEngine(engine, max_batch=4)
-    costs = be.profile(k_max=3, context=16)
+    costs = be.profile(k_max=3, context=128)
     assert costs.catch_up_per_token_s > 0
     assert set(costs.target.points) >= {1, 4, 16}
     assert costs.draft is not None

@@ -75,6 +75,19 @@ def test_begin_and_commit_reach_every_sub_drafter():
     assert h.counts == {"ngram": 1}
 
 
+def test_a_trusted_lookup_is_offered_as_free_and_proposed_once():
+    ngram, model = Fake("ngram", [5, 6, 7], match=3), Fake("draft", [9, 9])
+    h = HybridDrafter(ngram, model)
+    h.begin([1, 2, 3])
+    assert h.free_tokens([1, 2, 3], 4, GREEDY, None) == 3
+    assert h.propose([1, 2, 3], 3, GREEDY, None).tokens == [5, 6, 7]  # the offered lookup, not a new one
+    assert ngram.calls.count(("propose", 3)) == 1 and h.counts == {"ngram": 1}
+    assert not [c for c in model.calls if c[0] == "propose"]
+    short = HybridDrafter(Fake("ngram", [5, 6], match=2), model)
+    assert short.free_tokens([1, 2, 3], 4, GREEDY, None) == 0  # untrusted: left to the k policy
+    assert short.propose([1, 2, 3], 2, GREEDY, None).tokens == [9, 9]
+
+
 # -- with a draft model -----------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -96,6 +109,19 @@ def test_hybrid_with_a_draft_model_matches_plain(engine, plain, k):
     assert [r.token_ids for r in results] == plain
     assert isinstance(drafter.model, ModelDrafter)
     assert drafter.counts["ngram"] > 0 and drafter.counts["draft"] > 0
+
+
+def test_lookups_run_where_the_cost_policy_keeps_the_model_plain(engine, plain):
+    """A draft priced far above a target step never runs, yet free lookups still speculate (losslessly)."""
+    spec = SpecConfig(k_policy="cost", method="hybrid", k=4)
+    drafter = engine.drafter(spec)
+    costs = engine.cost_model(spec, drafter)
+    costs.draft_s = 100 * costs.verify_s[-1]
+    drafter.counts.clear()
+    results = engine.generate(PROMPTS, GREEDY, spec)
+    assert [r.token_ids for r in results] == plain
+    assert drafter.counts["ngram"] > 0 and drafter.counts["draft"] == 0
+    assert sum(r.metrics.drafted for r in results) > 0
 
 
 class CheckedModelDrafter(ModelDrafter):

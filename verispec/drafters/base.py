@@ -46,6 +46,15 @@ class Drafter(ABC):
         """Tokens of ``seq`` this drafter must still read (a forward of its own) before it can draft."""
         return 0
 
+    def free_tokens(self, seq: list[int], k: int, params: SamplingParams, generator: torch.Generator | None) -> int:
+        """How many tokens (at most ``k``) this drafter would propose here at no draft cost and trusts.
+
+        A lookup with a long match costs nothing to make, so the engine drafts it whatever its k
+        policy would choose (even plain decoding); the next :meth:`propose` for ``seq`` returns it.
+        0 (the default) leaves the choice to the k policy.
+        """
+        return 0
+
 
 def draft_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
                 min_confidence: float = 0.0) -> tuple[int | None, torch.Tensor | None]:

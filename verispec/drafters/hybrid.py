@@ -3,7 +3,9 @@
 Lookup drafters are nearly free and, when their match is long, very accurate (code that repeats
 identifiers, edits that quote their input); a model draft costs forwards but works everywhere.
 Each step the hybrid takes the lookup proposal with the longest match if that match is at least
-``min_match`` tokens long and proposes at least two tokens; otherwise the model drafts.
+``min_match`` tokens long and proposes at least two tokens; otherwise the model drafts. Such a
+lookup is offered to the engine as free (:meth:`Drafter.free_tokens`): it is drafted even when
+the k policy finds the model not worth running, e.g. on a long prompt it would first have to read.
 """
 
 from __future__ import annotations
@@ -36,15 +38,36 @@ class HybridDrafter(Drafter):
         self.ngram, self.model, self.retrieval = ngram, model, retrieval
         self.min_match = min_match
         self.counts: Counter[str] = Counter()
+        self._lookup: tuple[int, Proposal | None] | None = None  # (len(seq), lookup) from free_tokens
+
+    def free_tokens(self, seq: list[int], k: int, params: SamplingParams, generator: torch.Generator | None) -> int:
+        proposal = self._best_lookup(seq, k, params, generator)
+        self._lookup = (len(seq), proposal)
+        return 0 if proposal is None else len(proposal.tokens)
 
     def _subs(self) -> list[Drafter]:
         return [d for d in (self.ngram, self.retrieval, self.model) if d is not None]
 
     def begin(self, prompt: list[int]) -> None:
+        self._lookup = None
         for d in self._subs():
             d.begin(prompt)
 
     def propose(self, seq: list[int], k: int, params: SamplingParams, generator: torch.Generator | None) -> Proposal:
+        cached, self._lookup = self._lookup, None
+        lookup = cached[1] if cached is not None and cached[0] == len(seq) else \
+            self._best_lookup(seq, k, params, generator)
+        if lookup is not None:
+            return Proposal(lookup.tokens[:k])  # lookups are deterministic: no distributions
+        if self.model is None:
+            self.counts["none"] += 1
+            return Proposal([])
+        self.counts[self.model.name] += 1
+        return self.model.propose(seq, k, params, generator)
+
+    def _best_lookup(self, seq: list[int], k: int, params: SamplingParams,
+                     generator: torch.Generator | None) -> Proposal | None:
+        """The lookup proposal with the longest trusted match (counted as drafting this step), or None."""
         best: tuple[int, str, Proposal] | None = None
         # The n-gram match cannot exceed its max_n, so hold it to at most that.
         lookups = [("ngram", self.ngram, min(self.min_match, self.ngram.max_n))]
@@ -56,14 +79,10 @@ class HybridDrafter(Drafter):
             # Strictly longer wins, so the context's own n-gram beats the datastore on a tie.
             if match >= threshold and len(proposal.tokens) >= min(2, k) and (best is None or match > best[0]):
                 best = (match, name, proposal)
-        if best is not None:
-            self.counts[best[1]] += 1
-            return best[2]
-        if self.model is None:
-            self.counts["none"] += 1
-            return Proposal([])
-        self.counts[self.model.name] += 1
-        return self.model.propose(seq, k, params, generator)
+        if best is None:
+            return None
+        self.counts[best[1]] += 1
+        return best[2]
 
     def commit(self, n_valid: int) -> None:
         for d in self._subs():

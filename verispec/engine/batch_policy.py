@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from verispec.engine.metrics import seconds_of
-from verispec.engine.policy import expected_tokens
+from verispec.engine.policy import MIN_GAIN, expected_tokens
 from verispec.models.llama import Transformer
 
 
@@ -145,6 +145,7 @@ class BatchPolicy:
     costs: BatchCostModel
     probe_every: int = 16
     probe_k: int = 2
+    min_gain: float = MIN_GAIN  # the predicted goodput gain over plain decoding that speculating must show
     chosen: dict[int, int] = field(default_factory=dict)  # k -> steps it was chosen
     _plain_streak: int = 0
 
@@ -206,7 +207,8 @@ class BatchPolicy:
 
     def _best_k(self, plans: list[RowPlan], span: int | None) -> int:
         k_max = max(p.cap for p in plans if p.acceptance is not None)
-        return max(range(k_max + 1), key=lambda k: (self.goodput(plans, k, span), -k))
+        k = max(range(k_max + 1), key=lambda k: (self.goodput(plans, k, span), -k))
+        return k if self.goodput(plans, k, span) >= (1.0 + self.min_gain) * self.goodput(plans, 0, span) else 0
 
 
 @torch.inference_mode()

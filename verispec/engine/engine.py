@@ -282,13 +282,17 @@ class Engine:
                 break
             cap = k_cap(spec.k, params, len(out), room)
             horizon = self.answer_lengths.expected_remaining(len(out), min(params.max_tokens - len(out), room))
-            k = policy.choose(cap, horizon, drafter.catch_up_tokens(seq)) if drafter is not None else 0
+            # A trusted lookup costs no draft time: it is drafted whatever the policy would say, and
+            # the policy learns nothing from it (its acceptance and costs are the model drafter's).
+            free = drafter.free_tokens(seq, cap, params, generator) if drafter is not None and cap else 0
+            k = free or (policy.choose(cap, horizon, drafter.catch_up_tokens(seq)) if drafter is not None else 0)
             drafted, accepted, propose_s, score_s = m.drafted, m.accepted, m.stage_s["propose"], m.stage_s["score"]
             new = speculative_step(self.target, self.cache, seq, drafter, k, params, generator, m)
-            policy.update(k, m.drafted - drafted, m.accepted - accepted, m.stage_s["propose"] - propose_s,
-                          m.stage_s["score"] - score_s)
-            if seen is not None:
-                seen.update(m.drafted - drafted, m.accepted - accepted)
+            if not free:
+                policy.update(k, m.drafted - drafted, m.accepted - accepted, m.stage_s["propose"] - propose_s,
+                              m.stage_s["score"] - score_s)
+                if seen is not None:
+                    seen.update(m.drafted - drafted, m.accepted - accepted)
             if not out:
                 m.ttft_s = time.perf_counter() - t0
             n_before = len(out)

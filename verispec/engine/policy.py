@@ -15,6 +15,12 @@ from dataclasses import dataclass, field
 
 from verispec.config import SpecConfig
 
+# Speculate only where the cost model predicts at least this gain over plain decoding. The model
+# leaves out each step's bookkeeping and runs on a noisy acceptance estimate, so a predicted gain
+# of a few percent is a coin flip that still pays for draft forwards (and, for a request whose
+# draft has not read its prompt yet, a draft prefill).
+MIN_GAIN = 0.05
+
 
 def expected_tokens(a: float, k: int) -> float:
     """Expected tokens from one step drafting k tokens with acceptance rate a (bonus included)."""
@@ -55,8 +61,10 @@ class CostModel:
         """Predicted speedup over plain decoding."""
         return self.speed(a, k, hit) * self.verify_s[0]
 
-    def best_k(self, a: float, k_max: int) -> int:
-        return max(range(k_max + 1), key=lambda k: (self.speed(a, k), -k))
+    def best_k(self, a: float, k_max: int, min_gain: float = 0.0) -> int:
+        """The k with the highest predicted speed; 0 unless it beats plain decoding by ``min_gain``."""
+        k = max(range(k_max + 1), key=lambda k: (self.speed(a, k), -k))
+        return k if self.speed(a, k) >= (1.0 + min_gain) * self.speed(a, 0) else 0
 
     def observe(self, k: int, drafted: int, propose_s: float, score_s: float) -> None:
         """Fold one step's timings in. The verification curve keeps its profiled shape and only
@@ -187,6 +195,7 @@ class CostK(KPolicy):
     acceptance: Acceptance = field(default_factory=Acceptance)
     probe_every: int = 8
     probe_k: int = 2
+    min_gain: float = MIN_GAIN  # the predicted gain over plain decoding that speculating must show
     _plain_streak: int = 0
     _catch_up: int = 0
     chosen: list[int] = field(default_factory=list)
@@ -195,7 +204,7 @@ class CostK(KPolicy):
         """``remaining``: tokens the request is expected to produce; ``catch_up``: tokens to read first."""
         self._catch_up = catch_up
         a = self.acceptance.rate
-        k = self.costs.best_k(a, min(self.k_max, k_cap))
+        k = self.costs.best_k(a, min(self.k_max, k_cap), self.min_gain)
         if k > 0 and not self._worth_catching_up(a, k, remaining, catch_up):
             k = 0
         if k == 0:
