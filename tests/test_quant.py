@@ -265,3 +265,31 @@ def test_gguf_int4_converts_q4_k_directly_and_caches(tmp_path, monkeypatch):
         b = cached(tokens, pos, cached.new_cache(1, 8))
     assert torch.isfinite(b).all()
     assert (a - b).abs().max() < 0.25 * a.abs().max()
+
+
+def test_gguf_int4_all_requantizes_the_precise_tensors_too(tmp_path, monkeypatch):
+    monkeypatch.setenv("VERISPEC_HOME", str(tmp_path / "home"))
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path)
+    dense = build_model(open_source(path), torch.float32, "dense", progress=False, cache=False)
+    every = build_model(open_source(path), torch.float32, "int4-all", progress=False)  # converts and caches
+    cached = build_model(open_source(path), torch.float32, "int4-all", progress=False)
+    build_model(open_source(path), torch.float32, "int4", progress=False)
+    # int4 and int4-all keep separate caches.
+    folders = sorted(p.parent.name for p in (tmp_path / "home" / "converted").glob("*/model.safetensors"))
+    assert len(folders) == 2 and any("-int4all-" in f for f in folders)
+    for model in (every, cached):
+        layer = model.layers[0]
+        # The Q8_0 v_proj and down_proj are int4 here, with the Q4_K parts they are fused with.
+        assert all(isinstance(m, Int4Linear) for m in (layer.attn.wqkv, layer.attn.wo, layer.mlp.w_gate_up,
+                                                       layer.mlp.w_down, model.lm_head))
+    ref = dense.layers[0].mlp.w_down.weight
+    got = every.layers[0].mlp.w_down.dequantized()
+    # min/max 4-bit groups of 32: within half a step (range / 15 / 2) plus bf16 rounding of scale and zero.
+    assert (got - ref).abs().max() <= (ref.max() - ref.min()) / 15
+    tokens = torch.tensor([[5, 9, 2, 33, 7]])
+    pos = torch.arange(5)[None]
+    with torch.inference_mode():
+        a = dense(tokens, pos, dense.new_cache(1, 8))
+        b = cached(tokens, pos, cached.new_cache(1, 8))
+    assert (a - b).abs().max() < 0.25 * a.abs().max()

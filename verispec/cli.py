@@ -18,8 +18,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", help="draft model for --method draft (same tokenizer as the target)")
     p.add_argument("--dtype", default="auto", help="auto (bf16 where the CPU has native bf16, else fp32), float32, "
                    "bfloat16")
-    p.add_argument("--weights", default="dense", help="target weight format: dense, int8 or int4")
-    p.add_argument("--draft-weights", default="dense", help="draft weight format: dense, int8 or int4")
+    p.add_argument("--weights", default="dense", help="target weight format: dense, int8, int4 or int4-all")
+    p.add_argument("--draft-weights", default="dense",
+                   help="draft weight format: dense, int8, int4 or int4-all (every projection in 4 bits)")
     p.add_argument("--max-len", type=int, default=4096, help="KV cache positions per sequence")
     p.add_argument("--device", default="cpu", help="where both models run (cpu, cuda, cuda:1, ...)")
     p.add_argument("--target-device", help="the target's device (default: --device)")

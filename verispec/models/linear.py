@@ -26,7 +26,9 @@ from verispec import kernels as fast_kernels
 from verispec.errors import VerispecError
 from verispec.log import logger
 
-WEIGHT_FORMATS = ("dense", "int8", "int4")
+# "int4-all": int4 for every projection, even GGUF tensors stored with more bits (a draft model's:
+# its logits only rank candidates the target verifies, and its step time is the bytes it reads).
+WEIGHT_FORMATS = ("dense", "int8", "int4", "int4-all")
 INT4_GROUP = 32
 
 
@@ -489,6 +491,8 @@ def make_linear(weight: torch.Tensor | QuantizedTensor | Int4Weight | Int8Weight
         return Int8Linear(weight, bias, dtype, kernels)
     if fmt not in WEIGHT_FORMATS:
         raise VerispecError(f"unknown weight format '{fmt}' (choose from {', '.join(WEIGHT_FORMATS)})")
+    if fmt == "int4-all":
+        fmt = "int4"
     if fmt == "int4" and int4_supported(*weight.shape):
         if isinstance(weight, QuantizedTensor):
             return Int4Linear(Int4Weight.from_quantized(weight), bias, dtype, kernels)

@@ -31,6 +31,7 @@ INT4_VERSION = 2  # bump when the int4 conversion or its cache layout changes (2
 # tensors llama.cpp chose to keep more precise (Q4_K_M's Q6_K ffn_down/attn_v/output) stay so.
 _INT8_TYPES = {"Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0", "Q8_1", "Q8_K"}
 _FUSED = [("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj")]
+QuantizedWeight = Int4Weight | Int8Weight  # what get_int4 returns for a projection (or a float tensor)
 _Q4_K_BLOCK = 144  # bytes: fp16 d, fp16 dmin, 12 bytes of 6-bit scales/mins, 128 bytes of 4-bit codes
 
 _GGUF_NAMES = {
@@ -66,9 +67,11 @@ class ModelSource:
     def get(self, name: str) -> torch.Tensor | None:
         return self._get(name)
 
-    def get_int4(self, name: str, dtype: torch.dtype) -> torch.Tensor | Int4Weight | Int8Weight | None:
-        """``name`` as the int4 format wants it (see :func:`int4_getter`); plain ``get`` if not GGUF."""
-        return self._get(name) if self._get_int4 is None else self._get_int4(name, dtype)
+    def get_int4(self, name: str, dtype: torch.dtype, keep_int8: bool = True
+                 ) -> torch.Tensor | Int4Weight | Int8Weight | None:
+        """``name`` as the int4 format wants it; plain ``get`` if not GGUF. ``keep_int8`` keeps tensors
+        the GGUF stores with more than ~4.5 bits in int8 (``int4``); False requantizes them (``int4-all``)."""
+        return self._get(name) if self._get_int4 is None else self._get_int4(name, dtype, keep_int8)
 
 
 def _gguf_field(reader: Any, key: str, default: Any = None) -> Any:
@@ -161,12 +164,13 @@ def _parse_gguf(path: Path) -> ModelSource:
                     return [g for g in found if g in tensors]
         return []
 
-    def get_int4(name: str, dtype: torch.dtype) -> torch.Tensor | Int4Weight | Int8Weight | None:
+    def get_int4(name: str, dtype: torch.dtype, keep_int8: bool = True) -> torch.Tensor | QuantizedWeight | None:
         t = tensors.get(hf_to_gguf_name(name))
         if t is None or not _is_projection(name):
             return get(name)
         kind = t.tensor_type.name
-        if kind in _INT8_TYPES or any(tensors[s].tensor_type.name in _INT8_TYPES for s in fused_siblings(name)):
+        if keep_int8 and (kind in _INT8_TYPES
+                          or any(tensors[s].tensor_type.name in _INT8_TYPES for s in fused_siblings(name))):
             # A fused layer has one format: q/k next to a Q6_K v_proj go int8 with it.
             return Int8Weight.quantize(get(name), dtype)
         rows, cols = int(t.shape[1]), int(t.shape[0])
@@ -266,8 +270,10 @@ def converted(src: ModelSource, dtype: torch.dtype, progress: bool = True) -> Mo
     return ModelSource(src.path, src.args, cached.tensor_names, src.eos_token_ids, cached._get)
 
 
-def converted_int4(src: ModelSource, dtype: torch.dtype, progress: bool = True, layout: str = "cpu") -> ModelSource:
-    """A GGUF source converted once for ``--weights int4`` and cached as safetensors.
+def converted_int4(src: ModelSource, dtype: torch.dtype, progress: bool = True, layout: str = "cpu",
+                   keep_int8: bool = True) -> ModelSource:
+    """A GGUF source converted once for ``--weights int4`` (or ``int4-all``: ``keep_int8=False``)
+    and cached as safetensors.
 
     Per Hugging Face name the cache holds what :meth:`ModelSource.get_int4` returns: packed
     int4 codes and bf16 scales/zeros (``NAME.int4_packed``, ``NAME.int4_sz``), int8 codes and
@@ -285,14 +291,14 @@ def converted_int4(src: ModelSource, dtype: torch.dtype, progress: bool = True, 
     tag = "vs16" if layout == "vs16" else cpu_layout
     int8_layout = "vs16" if layout == "vs16" else "rows"
     folder = (hub.home() / "converted"
-              / f"{file_key(src.path)}-int4-{short}-{tag}-v{INT4_VERSION}")
+              / f"{file_key(src.path)}-int4{'' if keep_int8 else 'all'}-{short}-{tag}-v{INT4_VERSION}")
     file = folder / "model.safetensors"
     if not file.is_file():
         logger.info("converting %s to int4 (once; cached in %s)", src.path.name, folder)
         tensors: dict[str, torch.Tensor] = {}
         for name in tqdm(src.tensor_names, desc=f"quantizing {src.path.name}", disable=not progress or None,
                          leave=False):
-            t = src.get_int4(name, dtype)
+            t = src.get_int4(name, dtype, keep_int8)
             if isinstance(t, Int4Weight):
                 t = t.to_layout(layout)
                 tensors[name + ".int4_packed"], tensors[name + ".int4_sz"] = t.packed, t.scales_and_zeros
@@ -319,7 +325,7 @@ def converted_int4(src: ModelSource, dtype: torch.dtype, progress: bool = True, 
     def get(name: str) -> torch.Tensor | None:
         return handle.get_tensor(name) if name in keys else None
 
-    def get_int4(name: str, dtype: torch.dtype) -> torch.Tensor | Int4Weight | Int8Weight | None:
+    def get_int4(name: str, dtype: torch.dtype, keep_int8: bool = True) -> torch.Tensor | QuantizedWeight | None:
         if name + ".int4_packed" in keys:
             return Int4Weight(get(name + ".int4_packed"), get(name + ".int4_sz"), group, layout)
         if name + ".int8_q" in keys:
@@ -389,17 +395,18 @@ def build_model(src: ModelSource, dtype: torch.dtype, weight_format: str = "dens
     """
     from tqdm import tqdm
 
-    int4 = weight_format == "int4" and src._get_int4 is not None
+    int4 = weight_format in ("int4", "int4-all") and src._get_int4 is not None
+    keep_int8 = weight_format == "int4"
     if cache and int4:
         layout = "vs16" if fast_kernels.use_fast(kernels) else "cpu"  # what the layers will hold
-        src = converted_int4(src, dtype, progress, layout)
+        src = converted_int4(src, dtype, progress, layout, keep_int8)
     elif cache:
         src = converted(src, dtype, progress)
     bar = tqdm(total=len(src.tensor_names), desc=f"loading {src.path.name}", unit="tensor",
                disable=not progress or None, leave=False)
 
     def get(name: str) -> torch.Tensor | Int4Weight | Int8Weight | None:
-        t = src.get_int4(name, dtype) if int4 else src.get(name)
+        t = src.get_int4(name, dtype, keep_int8) if int4 else src.get(name)
         bar.update(1 if t is not None else 0)
         return t
 
