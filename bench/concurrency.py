@@ -122,6 +122,8 @@ def main() -> None:
     ap.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct")
     ap.add_argument("--method", default="draft", choices=("draft", "ngram"))
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--weights", default="dense", help="the target's weight format")
+    ap.add_argument("--draft-weights", default="dense", help="the draft's weight format (int4-all: cheapest drafts)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--max-len", type=int, default=2048, help="context per request slot")
@@ -137,7 +139,8 @@ def main() -> None:
     levels = [int(c) for c in args.concurrency.split(",")]
     modes = [m for m in args.modes.split(",") if m]
     engine = Engine.from_pretrained(args.model, draft=args.draft if args.method == "draft" else None,
-                                    dtype=args.dtype, device=args.device, max_len=args.max_len, progress=True)
+                                    dtype=args.dtype, weights=args.weights, draft_weights=args.draft_weights,
+                                    device=args.device, max_len=args.max_len, progress=True)
     be = BatchEngine(engine, max_batch=max(levels), max_len=args.max_len)
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=False)
     n = max(args.requests, 2 * max(levels))
@@ -172,7 +175,10 @@ def main() -> None:
     if args.device.startswith("cuda"):
         info["gpu"] = torch.cuda.get_device_name(args.device)
     where = info.get("gpu") or f"{info['cpu']}, {info['threads']} threads"
-    title = f"{Path(args.model).name} + {args.method} ({args.dtype}), {args.max_tokens} tokens, {where}"
+    weights = f"{args.dtype}, target {args.weights}"
+    if args.method == "draft":
+        weights += f", draft {args.draft_weights}"
+    title = f"{Path(args.model).name} + {args.method} ({weights}), {args.max_tokens} tokens, {where}"
     header = (f"# Concurrency sweep\n\n{title}, {info['date']}. {len(prompts)} Spec-Bench prompts per run, "
               f"closed loop, greedy; fixed k = {args.k}; policy = concurrency-aware cost policy (k <= {args.k}).")
     args.out.mkdir(parents=True, exist_ok=True)

@@ -10,7 +10,7 @@ V=.venv/bin/verispec
 PY=.venv/bin/python
 PAIR=(--model qwen2.5-coder-1.5b-instruct --draft qwen2.5-coder-0.5b-instruct --dtype bfloat16 --draft-weights int8)
 INT4_PAIR=(--model qwen2.5-coder-1.5b-instruct --draft qwen2.5-coder-0.5b-instruct --dtype bfloat16 --weights int4
-           --draft-weights int4)
+           --draft-weights int4-all)
 # The retrieval drafter's datastore: this Python's standard library (code), built once outside the repo.
 STORE=${VERISPEC_HOME:-$HOME/.cache/verispec}/datastores/python-stdlib
 mkdir -p "$OUT"
@@ -32,10 +32,10 @@ for step in $STEPS; do
       $PY bench/two_process.py --model qwen2.5-coder-1.5b-instruct --draft qwen2.5-coder-0.5b-instruct \
         --dtype bfloat16 --max-tokens 64 --prompts 2 --json "$OUT/two_process.json" | tee "$OUT/two_process.md" ;;
     concurrency)  # issue 7: a concurrency sweep (1-4 with 8 requests, 8-16 with 32)
-      $PY bench/concurrency.py --dtype bfloat16 --max-tokens 48 --concurrency 1,2,4 --requests 8 \
-        --out "$OUT/concurrency"
-      $PY bench/concurrency.py --dtype bfloat16 --max-tokens 48 --concurrency 8,16 --requests 32 \
-        --out "$OUT/concurrency-8-16" ;;
+      $PY bench/concurrency.py --dtype bfloat16 --draft-weights int4-all --max-tokens 48 --concurrency 1,2,4 \
+        --requests 8 --out "$OUT/concurrency"
+      $PY bench/concurrency.py --dtype bfloat16 --draft-weights int4-all --max-tokens 48 --concurrency 8,16 \
+        --requests 32 --out "$OUT/concurrency-8-16" ;;
     stability)    # issue 6: odd inputs, plain vs speculative
       $V bench "${PAIR[@]}" --methods draft,ngram --dataset humaneval --n 1 --max-tokens 16 --max-len 1024 \
         --stability --no-progress --out "$OUT/stability" ;;
@@ -47,11 +47,12 @@ for step in $STEPS; do
     int4)         # issues 4, 5, 10: int4 pair, every drafter, the cost policy, llama.cpp as the peer
       test -f "$STORE/meta.json" || $V datastore build "$($PY -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')"/*.py \
         -o "$STORE" --model qwen2.5-coder-1.5b-instruct
-      $V bench "${INT4_PAIR[@]}" --methods none,draft,draft:k=3,draft:policy=cost,ngram,hybrid,retrieval:datastore="$STORE",layerskip \
+      $V bench "${INT4_PAIR[@]}" --methods none,draft,draft:k=3,draft:policy=cost,ngram,hybrid,hybrid:policy=cost,retrieval:datastore="$STORE" \
         --dataset spec_bench,humaneval --per-category 3 --n 10 --seed 0 --max-tokens 64 -k 5 --peers llamacpp \
         --no-progress --out "$OUT/int4" ;;
     draft_cost)   # issue 4: the draft cost ratio c for dense, int8 and int4 drafts (bf16 and int4 targets)
-      { $PY bench/draft_cost.py --weights dense; $PY bench/draft_cost.py --weights int4; } | tee "$OUT/draft_cost.md" ;;
+      { $PY bench/draft_cost.py --weights dense --draft-formats dense,int8,int4,int4-all
+        $PY bench/draft_cost.py --weights int4 --draft-formats int8,int4,int4-all; } | tee "$OUT/draft_cost.md" ;;
     load)         # issue 10: loading the targets from the converted cache
       $PY bench/load_time.py --formats int4,dense | tee "$OUT/load_time.md" ;;
     compile)      # issue 5: eager vs --compile side by side (bf16 target + int8 draft, then the int4 pair)
