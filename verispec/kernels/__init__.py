@@ -7,6 +7,10 @@ its own packed layout, unpacked once per call into bf16 tiles that every activat
 reuses through ``vdpbf16ps``. Dense bf16 weights use the same layout and loop without the unpack
 (PyTorch's oneDNN bf16 GEMV for one row reads well under the machine's bandwidth).
 
+``small_ops.cpp``, built into the same extension, fuses the small ops around those matmuls in a
+decode / verification step (RMSNorm, residual add + RMSNorm, RoPE + K/V cache write + few-query
+attention, silu * up): :func:`rms_norm`, :func:`add_rms_norm`, :func:`attend`, :func:`silu_mul`.
+
 The C++ extension is compiled once with ``torch.utils.cpp_extension`` (g++ and ninja) into
 ``$VERISPEC_HOME/kernels/`` (``make setup`` runs ``python -m verispec.kernels``) and loaded
 from there afterwards. Every AVX-512 function has a target attribute, so the library itself
@@ -31,7 +35,8 @@ from verispec import hub
 from verispec.log import logger
 
 KERNEL_CHOICES = ("auto", "stock")
-_SOURCE = Path(__file__).with_name("wo_gemm.cpp")
+_SOURCE = Path(__file__).with_name("wo_gemm.cpp")  # the module (PYBIND11_MODULE) and the matmuls
+_SMALL_OPS_SOURCE = Path(__file__).with_name("small_ops.cpp")  # the fused small ops, registered by the module
 _CFLAGS = ["-O3", "-fopenmp"]  # plus -DVS_NS=<op namespace>
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -42,8 +47,14 @@ _OPS = None  # the same matmuls as torch operators (what torch.compile sees)
 _HOME = hub.home()
 
 
+def _sources() -> list[Path]:
+    return [_SOURCE, _SMALL_OPS_SOURCE]
+
+
 def _tag() -> str:
-    h = hashlib.sha256(_SOURCE.read_bytes())
+    h = hashlib.sha256()
+    for source in _sources():
+        h.update(source.read_bytes())
     h.update(f"{torch.__version__}|{sys.version_info[:2]}|{' '.join(_CFLAGS)}".encode())
     return h.hexdigest()[:12]
 
@@ -96,7 +107,7 @@ def _load(verbose: bool) -> tuple[ModuleType | None, str]:
             path = os.environ.get("PATH", "")
             os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), path])
             try:
-                ext = load(name=name, sources=[str(_SOURCE)], extra_cflags=[*_CFLAGS, f"-DVS_NS={name}"],
+                ext = load(name=name, sources=[str(p) for p in _sources()], extra_cflags=[*_CFLAGS, f"-DVS_NS={name}"],
                            extra_ldflags=["-fopenmp"], build_directory=str(folder), verbose=verbose)
             finally:
                 os.environ["PATH"] = path
@@ -256,6 +267,58 @@ def bf16_mm(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | 
     if torch.compiler.is_compiling():
         return _OPS.bf16_mm(x, packed, n, bias, out_dtype == torch.float32)
     return (_EXT or _ext()).bf16_mm(x, packed, n, bias, out_dtype == torch.float32)
+
+
+# -- fused small ops (small_ops.cpp) ----------------------------------------------------------------
+
+
+ATTEND_MAX_HEAD_DIM = 256
+
+
+def attend_applies(head_dim: int, dtype: torch.dtype) -> bool:
+    """Whether :func:`attend` (and the other fused ops) take a model with this head size and dtype:
+    fp32 or bf16, ``head_dim`` a multiple of 16 up to 256. Otherwise the model keeps its Python path."""
+    return dtype in (torch.float32, torch.bfloat16) and head_dim % 16 == 0 and 16 <= head_dim <= ATTEND_MAX_HEAD_DIM
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of the rows of x ``[R, D]`` (fp32 or bf16, contiguous) with weight ``w [D]`` (x's dtype):
+    in fp32 ``x * rsqrt(mean(x^2) + eps)``, rounded to x's dtype, times w, rounded again (as
+    :class:`~verispec.models.llama.RMSNorm`). A new tensor."""
+    return (_EXT or _ext()).rms_norm(x, w, eps)
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """The residual add and the next norm: ``x += delta`` IN PLACE (rounded to x's dtype, as torch's
+    add), then returns :func:`rms_norm` of the new x. x, delta: contiguous ``[R, D]`` of one dtype."""
+    return (_EXT or _ext()).add_rms_norm(x, delta, w, eps)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for gate_up ``[R, 2F]`` (gate = first half of each row) -> ``[R, F]``;
+    fp32 math, silu rounded to the dtype before the product (as ``F.silu(gate) * up``)."""
+    return (_EXT or _ext()).silu_mul(gate_up)
+
+
+def attend(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
+           v_cache: torch.Tensor, kv_len: int, n_heads: int, n_kv_heads: int) -> torch.Tensor:
+    """RoPE, K/V cache write and grouped-query attention of a few queries per row, in one call.
+
+    ``qkv`` ``[B, m, (H + 2 KV) * D]`` (the fused projection's output: q heads, k heads, v heads),
+    ``cos``/``sin`` ``[B, m, D]`` (the rope tables at the positions), ``positions`` int64 ``[B, m]``,
+    ``k_cache``/``v_cache`` ``[B, KV, L, D]`` (views are fine, e.g. rows of a bigger cache, as long
+    as the last dim is contiguous). Rotate-half RoPE goes to q and k; the rotated k and v of query
+    (b, i) are written at ``[b, :, positions[b, i]]`` (all of them before any query attends); query
+    head h attends with KV head ``h // (H / KV)`` to keys ``j < kv_len`` and ``j <= positions[b, i]``,
+    scores scaled by ``D ** -0.5`` and softmax in fp32. Returns ``[B, m, H * D]`` in qkv's dtype.
+    A query's result does not depend on the other rows or queries in the call (bit for bit).
+    Raises ValueError where :func:`attend_applies` is false (the caller keeps its Python path).
+    """
+    d = k_cache.shape[-1]
+    if not attend_applies(d, qkv.dtype):
+        raise ValueError(f"attend does not apply to head_dim {d} / {qkv.dtype} (needs a multiple of 16 up to "
+                         f"{ATTEND_MAX_HEAD_DIM}, fp32 or bf16)")
+    return (_EXT or _ext()).attend(qkv, cos, sin, positions, k_cache, v_cache, kv_len, n_heads, n_kv_heads)
 
 
 def main() -> None:

@@ -23,6 +23,9 @@
 // -mavx512* and the library loads on any x86-64 CPU; cpu_supported() says whether to call it.
 // The per-row arithmetic does not depend on M nor on how rows are chunked or threaded: a row
 // of x gives bit-identical outputs whether it is verified alone or with others.
+//
+// small_ops.cpp (the fused RMSNorm / RoPE + attention / SwiGLU ops of a decode step) is compiled
+// into the same extension; this file's module registers its functions too.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -646,6 +649,11 @@ torch::Tensor bf16_unpack(const torch::Tensor& packed, int64_t n, int64_t k) {
 #ifndef VS_NS
 #define VS_NS verispec_wo_gemm
 #endif
+
+namespace VS_NS {
+void register_small_ops(pybind11::module_& m);  // small_ops.cpp
+}
+
 TORCH_LIBRARY(VS_NS, m) {
   m.def("int4_mm(Tensor x, Tensor w, Tensor sz, int n, Tensor? bias, bool out_fp32) -> Tensor");
   m.def("int8_mm(Tensor x, Tensor w, Tensor scale, int n, int splits, Tensor? bias, bool out_fp32) -> Tensor");
@@ -674,4 +682,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_unpack", &int8_unpack, "int8 layout -> int8 [N, K]");
   m.def("bf16_pack", &bf16_pack, "bf16 [N, K] -> bf16 layout");
   m.def("bf16_unpack", &bf16_unpack, "bf16 layout -> bf16 [N, K]");
+  VS_NS::register_small_ops(m);
 }

@@ -8,6 +8,12 @@ token, which matters when a decode step is a few hundred small launches.
 One entry point serves prefill (m = prompt length), decode (m = 1) and verification
 (m = k + 1): ``forward(tokens, positions, cache)`` writes the new K/V at the given
 positions and attends over everything up to them.
+
+On CPUs that run :mod:`verispec.kernels` (models built with ``kernels="auto"``), decode and
+verification steps (m <= SMALL_M, eager, fp32/bf16) run fused ops instead of the modules' Python
+forwards: RMSNorm, residual add + next RMSNorm, RoPE + K/V cache write + attention and silu * up
+are one call each (a step of a small model is otherwise a few hundred tiny aten ops). The Python
+path below stays the reference and the fallback (prefill, torch.compile, other devices).
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from verispec import kernels as fast_kernels
 from verispec.models.args import ModelArgs
 from verispec.models.kv_cache import KVCache
 from verispec.models.linear import Int4Weight, Int8Weight, QuantizedTensor, make_linear
@@ -130,6 +137,9 @@ class Transformer(nn.Module):
         cos, sin = rope_tables(args.head_dim, args.rope_theta, args.max_position_embeddings, dtype)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        # Decode/verification steps through verispec.kernels' fused small ops (see _use_fused);
+        # from_state_dict sets it when built with kernels="auto" on a CPU that runs them.
+        self.fused_ops = False
 
     @property
     def device(self) -> torch.device:
@@ -153,6 +163,8 @@ class Transformer(nn.Module):
         if kv_len is None:
             kv_len = int(positions.max()) + 1
         x = self.embed(tokens)
+        if self._use_fused(x, cache):
+            return self._forward_fused(x, positions, cache, kv_len, rows, last_only, n_layers)
         cos = self.rope_cos[positions].unsqueeze(1)
         sin = self.rope_sin[positions].unsqueeze(1)
         a = self.args
@@ -165,6 +177,39 @@ class Transformer(nn.Module):
         if last_only:
             x = x[:, -1:]
         return self.lm_head(self.norm(x)).float()
+
+    def _use_fused(self, x: torch.Tensor, cache: KVCache) -> bool:
+        """Whether this forward runs :mod:`verispec.kernels`' fused small ops (decode/verification on a CPU)."""
+        return (self.fused_ops and not torch.compiler.is_compiling() and x.shape[1] <= SMALL_M
+                and x.device.type == "cpu" and fast_kernels.attend_applies(self.args.head_dim, x.dtype)
+                and cache.k[0].dtype == x.dtype and cache.k[0].device.type == "cpu")
+
+    def _forward_fused(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache, kv_len: int, rows: slice,
+                       last_only: bool, n_layers: int | None) -> torch.Tensor:
+        """:meth:`forward` for a few tokens per row through the fused ops: no mask is built (attention
+        masks by position itself), and each layer is norm -> wqkv -> attend -> wo -> add + norm ->
+        gate/up -> silu * up -> down -> add + the next norm (the final norm after the last layer)."""
+        b, m, dim = x.shape
+        x = x.reshape(b * m, dim)  # the residual stream, updated in place by add_rms_norm
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        layers = self.layers[: n_layers or self.args.n_layers]
+        whole = rows == slice(None)
+        kv_len = int(kv_len)
+        first = layers[0].attn_norm if len(layers) else self.norm
+        h = fast_kernels.rms_norm(x, first.weight, first.eps)
+        for i, layer in enumerate(layers):
+            attn, mlp = layer.attn, layer.mlp
+            k, v = (cache.k[i], cache.v[i]) if whole else (cache.k[i][rows], cache.v[i][rows])
+            o = fast_kernels.attend(attn.wqkv(h).view(b, m, -1), cos, sin, positions, k, v, kv_len,
+                                    attn.n_heads, attn.n_kv_heads)
+            h = fast_kernels.add_rms_norm(x, attn.wo(o.view(b * m, -1)), layer.mlp_norm.weight, layer.mlp_norm.eps)
+            norm = layers[i + 1].attn_norm if i + 1 < len(layers) else self.norm
+            h = fast_kernels.add_rms_norm(x, mlp.w_down(fast_kernels.silu_mul(mlp.w_gate_up(h))), norm.weight,
+                                          norm.eps)
+        h = h.view(b, m, dim)
+        if last_only:
+            h = h[:, -1:]
+        return self.lm_head(h).float()
 
     @staticmethod
     def _mask(positions: torch.Tensor, kv_len: int) -> torch.Tensor:
@@ -191,7 +236,8 @@ class Transformer(nn.Module):
         than a dict lets loaders materialise one tensor at a time and keep peak memory low.
         For projection weights it may also return an already quantized weight
         (:class:`QuantizedTensor`, :class:`Int4Weight`, :class:`Int8Weight`, see linear.py).
-        ``kernels`` ("auto" or "stock") picks the int4/int8 matmul kernels (see :func:`make_linear`).
+        ``kernels`` ("auto" or "stock") picks the int4/int8 matmul kernels (see :func:`make_linear`) and
+        whether decode/verification steps use the fused small ops (``fused_ops``, "auto" where they run).
         """
 
         def req(name: str) -> torch.Tensor:
@@ -233,4 +279,6 @@ class Transformer(nn.Module):
         if head_w is None or args.tie_word_embeddings:
             head_w = embed
         lm_head = make_linear(head_w, None, weight_format, dtype, kernels)
-        return cls(args, embed.to(dtype), layers, norm("model.norm.weight"), lm_head, dtype)
+        model = cls(args, embed.to(dtype), layers, norm("model.norm.weight"), lm_head, dtype)
+        model.fused_ops = fast_kernels.use_fast(kernels)
+        return model
