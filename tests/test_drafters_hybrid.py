@@ -111,6 +111,17 @@ def test_hybrid_with_a_draft_model_matches_plain(engine, plain, k):
     assert drafter.counts["ngram"] > 0 and drafter.counts["draft"] > 0
 
 
+def test_the_model_catch_up_is_the_hybrids(engine):
+    hybrid = engine.drafter(SpecConfig(k_policy="fixed", method="hybrid", k=3))
+    seq = PROMPTS[0] + [7, 8, 9]
+    hybrid.begin(seq)
+    assert hybrid.catch_up_tokens(seq) == hybrid.model.catch_up_tokens(seq) == len(seq) - 1
+    hybrid.model.propose(seq, 2, GREEDY, None)
+    hybrid.commit(len(seq))
+    # A lookup step then added three tokens: the model reads two of them (the last is any step's own).
+    assert hybrid.catch_up_tokens(seq + [1, 2, 3]) == 2
+
+
 def test_lookups_run_where_the_cost_policy_keeps_the_model_plain(engine, plain):
     """A draft priced far above a target step never runs, yet free lookups still speculate (losslessly)."""
     spec = SpecConfig(k_policy="cost", method="hybrid", k=4)

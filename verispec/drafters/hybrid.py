@@ -87,3 +87,8 @@ class HybridDrafter(Drafter):
     def commit(self, n_valid: int) -> None:
         for d in self._subs():
             d.commit(n_valid)
+
+    def catch_up_tokens(self, seq: list[int]) -> int:
+        # The model is the only sub-drafter that reads context with forwards (the prompt, and what
+        # lookup steps added): a k policy must charge that, not book it as the cost of draft tokens.
+        return self.model.catch_up_tokens(seq) if self.model is not None else 0
