@@ -46,25 +46,18 @@
 #define VS_NS verispec_wo_gemm
 #endif
 
+namespace VS_NS {
+bool cpu_runs_kernels();  // wo_gemm.cpp: the one definition of a CPU these kernels run on
+}
+
 namespace {
 
 #define VS_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,f16c")))
 
 using bf16_t = uint16_t;  // raw bf16 bits
 
-bool small_ops_cpu_ok() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-         __builtin_cpu_supports("avx512bf16");
-#else
-  return false;
-#endif
-}
-
 void check_cpu() {
-  static const bool ok = small_ops_cpu_ok();
+  static const bool ok = VS_NS::cpu_runs_kernels();
   TORCH_CHECK(ok, "verispec kernels: this CPU lacks AVX-512 BF16");
 }
 

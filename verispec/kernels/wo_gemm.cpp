@@ -652,6 +652,7 @@ torch::Tensor bf16_unpack(const torch::Tensor& packed, int64_t n, int64_t k) {
 
 namespace VS_NS {
 void register_small_ops(pybind11::module_& m);  // small_ops.cpp
+bool cpu_runs_kernels() { return cpu_supported(); }  // small_ops.cpp checks the same CPU features
 }
 
 TORCH_LIBRARY(VS_NS, m) {
