@@ -426,7 +426,7 @@ def test_environment_forces_the_stock_kernels(monkeypatch):
 def test_a_failed_build_falls_back_without_raising(tmp_path, monkeypatch):
     bad = tmp_path / "wo_gemm.cpp"
     bad.write_text("this is not C++\n")
-    monkeypatch.setattr(kernels, "_SOURCE", bad)
+    monkeypatch.setattr(kernels, "_SOURCES", (bad, *kernels._SOURCES[1:]))
     monkeypatch.setattr(kernels, "_HOME", tmp_path / "home")
     monkeypatch.setattr(kernels, "_cpu_flags", lambda: None)  # get as far as the compiler on any CPU
     ext, why = kernels._load(False)

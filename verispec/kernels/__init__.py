@@ -35,8 +35,8 @@ from verispec import hub
 from verispec.log import logger
 
 KERNEL_CHOICES = ("auto", "stock")
-_SOURCE = Path(__file__).with_name("wo_gemm.cpp")  # the module (PYBIND11_MODULE) and the matmuls
-_SMALL_OPS_SOURCE = Path(__file__).with_name("small_ops.cpp")  # the fused small ops, registered by the module
+# wo_gemm.cpp: the module (PYBIND11_MODULE) and the matmuls; small_ops.cpp: the fused small ops it registers.
+_SOURCES = (Path(__file__).with_name("wo_gemm.cpp"), Path(__file__).with_name("small_ops.cpp"))
 _CFLAGS = ["-O3", "-fopenmp"]  # plus -DVS_NS=<op namespace>
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -47,13 +47,9 @@ _OPS = None  # the same matmuls as torch operators (what torch.compile sees)
 _HOME = hub.home()
 
 
-def _sources() -> list[Path]:
-    return [_SOURCE, _SMALL_OPS_SOURCE]
-
-
 def _tag() -> str:
     h = hashlib.sha256()
-    for source in _sources():
+    for source in _SOURCES:
         h.update(source.read_bytes())
     h.update(f"{torch.__version__}|{sys.version_info[:2]}|{' '.join(_CFLAGS)}".encode())
     return h.hexdigest()[:12]
@@ -107,7 +103,7 @@ def _load(verbose: bool) -> tuple[ModuleType | None, str]:
             path = os.environ.get("PATH", "")
             os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), path])
             try:
-                ext = load(name=name, sources=[str(p) for p in _sources()], extra_cflags=[*_CFLAGS, f"-DVS_NS={name}"],
+                ext = load(name=name, sources=[str(p) for p in _SOURCES], extra_cflags=[*_CFLAGS, f"-DVS_NS={name}"],
                            extra_ldflags=["-fopenmp"], build_directory=str(folder), verbose=verbose)
             finally:
                 os.environ["PATH"] = path
