@@ -75,6 +75,23 @@ def closed_loop(be: BatchEngine, prompts: list[list[int]], clients: int, params:
             "width": dict(sorted(be.stats.width_steps.items()))}
 
 
+def summarize(runs: dict[str, list[dict[str, Any]]], concurrency: int) -> list[dict[str, Any]]:
+    """One row per mode: its run of median throughput, with every run's tokens/s and the ratios to
+    plain decoding's run of the same repeat (paired, so a drift of the host cancels out; a mode run
+    only once pairs with the first)."""
+    plain = runs.get("plain")
+    rows = []
+    for mode, rs in runs.items():
+        tps = [r["tokens_per_s"] for r in rs]
+        median_run = sorted(rs, key=lambda r: r["tokens_per_s"])[(len(rs) - 1) // 2]
+        ratios = [r["tokens_per_s"] / p["tokens_per_s"] if p["tokens_per_s"] else float("nan")
+                  for r, p in zip(rs, plain, strict=False)] if plain else []
+        rows.append(median_run | {
+            "concurrency": concurrency, "mode": mode, "runs_tokens_per_s": tps, "vs_plain_runs": ratios,
+            "vs_plain": statistics.median(ratios) if ratios else float("nan")})
+    return rows
+
+
 def markdown(rows: list[dict[str, Any]], header: str) -> str:
     head = (f"{header}\n\n| concurrency | mode | requests | tokens/s | vs plain | p50 latency s | p95 latency s | "
             "p50 TTFT s | tokens/step | k chosen (k: steps) |\n|---:|---|---:|---:|---:|---:|---:|---:|---:|---|\n")
@@ -82,8 +99,10 @@ def markdown(rows: list[dict[str, Any]], header: str) -> str:
     for r in rows:
         ks = ", ".join(f"{k}: {n}" for k, n in r["policy_k"].items()) if r["mode"] == "policy" else \
             ", ".join(f"{w - 1}: {n}" for w, n in r["width"].items())
+        ratios = r.get("vs_plain_runs", [])
+        spread = f" ({min(ratios):.2f}-{max(ratios):.2f})" if len(ratios) > 1 and r["mode"] != "plain" else ""
         lines.append(f"| {r['concurrency']} | {r['mode']} | {r['requests']} | {r['tokens_per_s']:.1f} | "
-                     f"{r['vs_plain']:.2f}x | {r['latency_p50_s']:.2f} | {r['latency_p95_s']:.2f} | "
+                     f"{r['vs_plain']:.2f}x{spread} | {r['latency_p50_s']:.2f} | {r['latency_p95_s']:.2f} | "
                      f"{r['ttft_p50_s']:.3f} | {r['accepted_per_step']:.2f} | {ks} |")
     return head + "\n".join(lines) + "\n"
 
@@ -133,11 +152,18 @@ def main() -> None:
     ap.add_argument("--spec-bench", type=Path, default=None, help=f"question.jsonl (default {default_spec_bench()})")
     ap.add_argument("--seed", type=int, default=0, help="which Spec-Bench prompts (shuffled with this seed)")
     ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="runs per concurrency and mode, modes alternating; medians are reported (a shared host "
+                         "drifts by several percent between runs)")
+    ap.add_argument("--once", default="", help="modes run only in the first repeat (e.g. fixed, far from plain)")
     ap.add_argument("--out", type=Path, default=Path("bench_out/concurrency"))
     args = ap.parse_args()
 
     levels = [int(c) for c in args.concurrency.split(",")]
     modes = [m for m in args.modes.split(",") if m]
+    once = {m for m in args.once.split(",") if m}
+    if args.repeats < 1 or not set(modes) <= set(MODES) or not once <= set(modes) or "plain" in once:
+        ap.error(f"--repeats >= 1; --modes from {', '.join(MODES)}; --once a subset of them, without plain")
     engine = Engine.from_pretrained(args.model, draft=args.draft if args.method == "draft" else None,
                                     dtype=args.dtype, weights=args.weights, draft_weights=args.draft_weights,
                                     device=args.device, max_len=args.max_len, progress=True)
@@ -148,12 +174,16 @@ def main() -> None:
     for p in spec_bench(args.spec_bench, seed=args.seed):
         try:
             ids = engine.encode(p.text, chat=p.chat)
-        except VerispecError:  # longer than the context
-            continue
+        except VerispecError:  # longer than the context, or no tokenizer (tiny test models: characters as ids)
+            if engine.tokenizer is not None:
+                continue
+            ids = [ord(ch) % engine.target.args.vocab_size for ch in p.text[: be.max_len // 4]]
         if len(ids) + args.max_tokens <= be.max_len:  # a longer one could never be admitted
             prompts.append(ids)
     random.Random(args.seed).shuffle(prompts)
     prompts = prompts[:n]
+    if not prompts:
+        ap.error(f"no Spec-Bench prompt fits a context of {be.max_len} with {args.max_tokens} new tokens")
     specs = {"plain": PLAIN, "fixed": SpecConfig(method=args.method, k=args.k, k_policy="fixed"),
              "policy": SpecConfig(method=args.method, k=args.k, k_policy="cost")}
     costs = be.profile(k_max=args.k)
@@ -162,14 +192,17 @@ def main() -> None:
 
     rows = []
     for c in levels:
-        plain_tps = None
-        for mode in modes:
-            r = closed_loop(be, prompts, c, params, specs[mode]) | {"concurrency": c, "mode": mode}
-            plain_tps = r["tokens_per_s"] if mode == "plain" else plain_tps
-            r["vs_plain"] = r["tokens_per_s"] / plain_tps if plain_tps else float("nan")
-            print(f"C={c:3d} {mode:7s} {r['tokens_per_s']:8.1f} tok/s  p50 {r['latency_p50_s']:.2f}s  "
-                  f"p95 {r['latency_p95_s']:.2f}s  k {r['policy_k'] or r['width']}", flush=True)
-            rows.append(r)
+        runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
+        for rep in range(args.repeats):
+            for mode in modes:  # alternating, so a slow spell of the host hits every mode alike
+                if rep and mode in once:
+                    continue
+                r = closed_loop(be, prompts, c, params, specs[mode])
+                runs[mode].append(r)
+                print(f"C={c:3d} {mode:7s} run {rep + 1}/{args.repeats} {r['tokens_per_s']:8.1f} tok/s  "
+                      f"p50 {r['latency_p50_s']:.2f}s  p95 {r['latency_p95_s']:.2f}s  k {r['policy_k'] or r['width']}",
+                      flush=True)
+        rows.extend(summarize(runs, c))
 
     info = machine()
     if args.device.startswith("cuda"):
@@ -181,6 +214,9 @@ def main() -> None:
     title = f"{Path(args.model).name} + {args.method} ({weights}), {args.max_tokens} tokens, {where}"
     header = (f"# Concurrency sweep\n\n{title}, {info['date']}. {len(prompts)} Spec-Bench prompts per run, "
               f"closed loop, greedy; fixed k = {args.k}; policy = concurrency-aware cost policy (k <= {args.k}).")
+    if args.repeats > 1:
+        header += (f" {args.repeats} runs per concurrency and mode, modes alternating: each row is the run of "
+                   "median throughput; vs plain is the median of the per-repeat ratios (range in brackets).")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "concurrency.md").write_text(markdown(rows, header))
     (args.out / "concurrency.json").write_text(json.dumps(

@@ -31,11 +31,11 @@ for step in $STEPS; do
     two_process)  # issue 9: draft and target in one process vs one process each
       $PY bench/two_process.py --model qwen2.5-coder-1.5b-instruct --draft qwen2.5-coder-0.5b-instruct \
         --dtype bfloat16 --max-tokens 64 --prompts 2 --json "$OUT/two_process.json" | tee "$OUT/two_process.md" ;;
-    concurrency)  # issue 7: a concurrency sweep (1-4 with 8 requests, 8-16 with 32)
+    concurrency)  # issue 7: a concurrency sweep (1-4 with 8 requests, 8-16 with 32, plain/policy 3 runs each)
       $PY bench/concurrency.py --dtype bfloat16 --draft-weights int4-all --max-tokens 48 --concurrency 1,2,4 \
         --requests 8 --out "$OUT/concurrency"
       $PY bench/concurrency.py --dtype bfloat16 --draft-weights int4-all --max-tokens 48 --concurrency 8,16 \
-        --requests 32 --out "$OUT/concurrency-8-16" ;;
+        --requests 32 --repeats 3 --once fixed --out "$OUT/concurrency-8-16" ;;
     stability)    # issue 6: odd inputs, plain vs speculative
       $V bench "${PAIR[@]}" --methods draft,ngram --dataset humaneval --n 1 --max-tokens 16 --max-len 1024 \
         --stability --no-progress --out "$OUT/stability" ;;

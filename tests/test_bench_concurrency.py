@@ -1,0 +1,48 @@
+"""bench/concurrency.py end to end on tiny models: repeats alternate modes and are summarised by medians."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "concurrency.py"
+
+
+def run(args: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=300)
+
+
+def test_repeats_report_medians_and_paired_ratios(tmp_path, qwen2_tiny, qwen2_noisy_draft_tiny):
+    out = tmp_path / "conc"
+    r = run(["--model", qwen2_tiny.path, "--draft", qwen2_noisy_draft_tiny.path, "--dtype", "float32",
+             "--device", "cpu", "--max-tokens", "6", "--max-len", "512", "--concurrency", "1,2", "--requests", "4",
+             "--repeats", "2", "--once", "fixed", "--out", str(out)])
+    if r.returncode != 0 and "question.jsonl" in r.stderr:
+        pytest.fail("Spec-Bench prompts missing: " + r.stderr[-500:])
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    rows = json.loads((out / "concurrency.json").read_text())["rows"]
+    assert [(x["concurrency"], x["mode"]) for x in rows] == [
+        (c, m) for c in (1, 2) for m in ("plain", "fixed", "policy")]
+    for x in rows:
+        runs = x["runs_tokens_per_s"]
+        assert len(runs) == (1 if x["mode"] == "fixed" else 2)
+        assert x["tokens_per_s"] in runs  # the row is one real run: the lower median of the repeats
+        assert x["tokens_per_s"] == sorted(runs)[(len(runs) - 1) // 2]
+        if x["mode"] == "plain":
+            assert x["vs_plain_runs"] == [1.0] * 2 and x["vs_plain"] == 1.0
+        else:  # each run against plain decoding's run of the same repeat
+            plain = next(p for p in rows if p["concurrency"] == x["concurrency"] and p["mode"] == "plain")
+            expected = [t / p for t, p in zip(runs, plain["runs_tokens_per_s"], strict=False)]
+            assert x["vs_plain_runs"] == pytest.approx(expected)
+    md = (out / "concurrency.md").read_text()
+    assert "2 runs per concurrency and mode" in md
+
+
+def test_bad_repeat_options_are_refused(tmp_path):
+    for bad in (["--repeats", "0"], ["--once", "plain"], ["--modes", "plain,turbo"]):
+        r = run([*bad, "--out", str(tmp_path)])
+        assert r.returncode == 2 and "--repeats >= 1" in r.stderr, r.stderr[-500:]
