@@ -57,6 +57,9 @@ def _add_spec_args(p: argparse.ArgumentParser) -> None:
                    "does not pay), fixed, heuristic or confidence")
     p.add_argument("--datastore", help="retrieval/hybrid: a datastore built by `verispec datastore build`")
     p.add_argument("--layers", type=int, help="layerskip: how many of the target's layers draft (default: a quarter)")
+    p.add_argument("--draft-vocab", type=int, default=None,
+                   help="draft/hybrid: the draft model scores only its first N token ids (a multiple of 16, e.g. "
+                   "32768) plus special tokens and the prompt's: a cheaper draft token, still lossless")
 
 
 def _spec_from(args: argparse.Namespace):
@@ -64,7 +67,7 @@ def _spec_from(args: argparse.Namespace):
 
     method = args.method or ("draft" if args.draft else "none")
     return SpecConfig(method=method, k=args.k if method != "none" else 0, k_policy=args.k_policy,
-                      datastore=args.datastore, layers=args.layers)
+                      datastore=args.datastore, layers=args.layers, draft_vocab=args.draft_vocab)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

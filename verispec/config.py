@@ -85,6 +85,13 @@ class EngineConfig:
             raise VerispecError("max_len must be at least 2")
 
 
+def check_draft_vocab(n: object) -> None:
+    """Raise :class:`VerispecError` unless ``n`` (a reduced draft vocabulary) is None or a positive multiple of 16
+    (the row blocks every weight layout keeps, so the first ``n`` rows of a head are whole blocks)."""
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n <= 0 or n % 16):
+        raise VerispecError(f"draft vocab must be a positive multiple of 16 (got {n!r}); e.g. vocab=32768")
+
+
 @dataclass(frozen=True)
 class SpecConfig:
     """How to speculate for a request: which drafter proposes and how many tokens per step."""
@@ -97,6 +104,9 @@ class SpecConfig:
     ngram_min: int = 1
     datastore: str | None = None  # retrieval: path of a datastore built by `verispec datastore build`
     layers: int | None = None  # layerskip: how many of the target's layers draft (None: a measured default)
+    # draft/hybrid: the draft model scores only its first draft_vocab ids plus special tokens and the prompt's
+    # ids (verispec.drafters.vocab); None: its full head. Other drafters ignore it.
+    draft_vocab: int | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -109,6 +119,7 @@ class SpecConfig:
             raise VerispecError(f"confidence must be in [0, 1) (got {self.confidence!r})")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise VerispecError("n-gram sizes must satisfy 1 <= ngram_min <= ngram_max")
+        check_draft_vocab(self.draft_vocab)
 
     @property
     def enabled(self) -> bool:

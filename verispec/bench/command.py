@@ -344,6 +344,8 @@ def _plots(rows: list[Any], methods: list[Any], out: Path, title: str) -> list[s
 
 def add_parser(sub: Any, add_engine_args: Callable[[argparse.ArgumentParser], None]) -> None:
     """Register ``bench`` on the CLI's subparsers (``add_engine_args`` adds --model, --draft, --dtype, ...)."""
+    from verispec.bench.methods import OPTIONS
+
     b = sub.add_parser("bench", help="benchmark methods against plain decoding (and peers): report.md, .json, plots",
                        description="Plain decoding runs first as the baseline, then every method, interleaved per "
                        "prompt; peers (--peers hf,llamacpp) run on the same prompts afterwards, the stability suite "
@@ -352,7 +354,7 @@ def add_parser(sub: Any, add_engine_args: Callable[[argparse.ArgumentParser], No
     b.add_argument("--methods", default="",
                    help="comma-separated methods, each name[:key=value,...] e.g. none,draft,ngram,draft:k=3,"
                    "draft:policy=cost,layerskip:layers=7,retrieval:datastore=PATH (default: draft,ngram with "
-                   "--draft, else ngram); options: " + "k, policy, confidence, max, min, datastore, layers")
+                   "--draft, else ngram); options: " + ", ".join(OPTIONS))
     b.add_argument("--dataset", default="spec_bench",
                    help="spec_bench, humaneval or jsonl:PATH (comma-separated to combine)")
     b.add_argument("--spec-bench", help="Spec-Bench question.jsonl (default: $VERISPEC_SPEC_BENCH or "

@@ -1,8 +1,8 @@
 """Method strings of the harness: ``name[:key=value,...]`` parsed into a labelled :class:`SpecConfig`.
 
 Examples: ``none``, ``draft``, ``draft:k=3``, ``draft:policy=cost``, ``layerskip:layers=7``,
-``retrieval:datastore=store.vds``, ``ngram:k=8,max=5``. The label of a method is the string
-itself, so tables and plots show exactly what was asked for.
+``retrieval:datastore=store.vds``, ``ngram:k=8,max=5``, ``draft:vocab=32768`` (a reduced draft head).
+The label of a method is the string itself, so tables and plots show exactly what was asked for.
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ OPTIONS: dict[str, tuple[str, type]] = {
     "ngram_min": ("ngram_min", int),
     "datastore": ("datastore", str),
     "layers": ("layers", int),
+    "vocab": ("draft_vocab", int),
+    "draft_vocab": ("draft_vocab", int),
 }
 
 

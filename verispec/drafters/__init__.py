@@ -16,7 +16,12 @@ __all__ = ["Drafter", "Proposal", "make_drafter"]
 
 
 def make_drafter(spec: SpecConfig, engine: Engine) -> Drafter:
-    """Build the drafter ``spec.method`` names, for ``engine``'s target (and draft model)."""
+    """Build the drafter ``spec.method`` names, for ``engine``'s target (and draft model).
+
+    ``spec.draft_vocab`` reduces the draft model's head (methods ``draft`` and ``hybrid`` with a draft
+    model); drafters without a draft model ignore it, so a server's default spec carrying it still
+    serves requests that ask for ``ngram``.
+    """
     if spec.method == "draft":
         if engine.draft is None:
             raise VerispecError("method 'draft' needs a draft model (--draft)")
@@ -44,8 +49,14 @@ def _min_confidence(spec: SpecConfig) -> float:
 
 def _model_drafter(spec: SpecConfig, engine: Engine) -> Drafter:
     from verispec.drafters.model import ModelDrafter
+    from verispec.drafters.vocab import special_token_ids
 
-    return ModelDrafter(engine.draft, engine.cache_len, engine.target.args.vocab_size, _min_confidence(spec))
+    if spec.draft_vocab is not None and engine.config.compile:
+        # The compiled forward (engine.compiled) has no head argument: it would score the full vocabulary.
+        raise VerispecError(f"method '{spec.method}': a reduced draft vocabulary (vocab={spec.draft_vocab}) "
+                            "does not work with --compile yet")
+    return ModelDrafter(engine.draft, engine.cache_len, engine.target.args.vocab_size, _min_confidence(spec),
+                        spec.draft_vocab, special_token_ids(engine) if spec.draft_vocab is not None else ())
 
 
 def _open_datastore(spec: SpecConfig, engine: Engine) -> Datastore:

@@ -29,6 +29,8 @@ class HybridDrafter(Drafter):
     lookup only. Every sub-drafter sees every :meth:`begin` and :meth:`commit`, drafted or not,
     so a model drafter's KV cache only ever lags the verified sequence and its propose catches up
     on the unseen suffix in one forward. ``counts`` tallies which source drafted each step.
+    A reduced draft vocabulary (``SpecConfig.draft_vocab``, ``hybrid:vocab=N``) belongs to the model
+    drafter (:class:`~verispec.drafters.model.ModelDrafter`), which gets its prompt from :meth:`begin`.
     """
 
     name = "hybrid"

@@ -2,20 +2,30 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 
 from verispec.drafters.base import Drafter, Proposal, draft_token
+from verispec.drafters.vocab import DraftVocab, SubsetHead, check_draft_vocab
 from verispec.models.llama import Transformer
 from verispec.sampling import SamplingParams
 
 
 class ModelDrafter(Drafter):
-    """Drafts with ``model``; greedy for greedy requests, else sampled under the same settings."""
+    """Drafts with ``model``; greedy for greedy requests, else sampled under the same settings.
+
+    ``draft_vocab`` (a multiple of 16) scores only the first ``draft_vocab`` ids, plus
+    ``special_ids`` and the request's prompt ids, with a reduced head (:mod:`verispec.drafters.vocab`):
+    a cheaper draft token, still lossless. None, or a value not below the model's vocabulary, keeps
+    the full head.
+    """
 
     name = "draft"
 
     def __init__(self, model: Transformer, max_len: int, vocab_size: int | None = None,
-                 min_confidence: float = 0.0) -> None:
+                 min_confidence: float = 0.0, draft_vocab: int | None = None,
+                 special_ids: Iterable[int] = ()) -> None:
         self.model = model
         # Stop drafting once the draft's top probability falls below this: a likely rejection.
         self.min_confidence = min_confidence
@@ -26,9 +36,15 @@ class ModelDrafter(Drafter):
         # generator of its own on the draft's device, seeded once per request from the request's.
         self._gen_of: torch.Generator | None = None
         self._gen: torch.Generator | None = None
+        check_draft_vocab(draft_vocab)
+        self.subset = (DraftVocab(model, draft_vocab, special_ids)
+                       if draft_vocab is not None and draft_vocab < model.args.vocab_size else None)
+        self.head: SubsetHead | None = None  # this request's reduced head (its prompt's ids among the extras)
 
     def begin(self, prompt: list[int]) -> None:
         self.cache.reset(0)
+        if self.subset is not None:
+            self.head = self.subset.head(prompt)
 
     @torch.inference_mode()
     def propose(self, seq: list[int], k: int, params: SamplingParams, generator: torch.Generator | None) -> Proposal:
@@ -41,10 +57,14 @@ class ModelDrafter(Drafter):
         device = self.model.device
         if not params.greedy:
             generator = self._local_generator(generator, device)
+        if self.subset is not None and self.head is None:  # proposing without begin: special tokens only
+            self.head = self.subset.head()
+        # Only name the head when there is one: a compiled forward (engine.compiled) takes no head argument.
+        head = {} if self.head is None else {"head": self.head}
         for _ in range(k):
             pos = torch.arange(start, start + len(feed), device=device).unsqueeze(0)
             logits = self.model(torch.tensor([feed], device=device), pos, self.cache, kv_len=start + len(feed),
-                                last_only=True)[0, -1]
+                                last_only=True, **head)[0, -1]
             start += len(feed)
             self.cache.lengths[0] = start
             if logits.shape[-1] != self.vocab_size:

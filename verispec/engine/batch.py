@@ -30,6 +30,7 @@ import torch
 from verispec.config import PLAIN, SpecConfig
 from verispec.drafters import make_drafter
 from verispec.drafters.base import Drafter
+from verispec.drafters.vocab import special_token_ids
 from verispec.engine.batch_draft import MAX_LOCKSTEP_FEED, BatchDraftModel
 from verispec.engine.batch_policy import BatchCostModel, BatchPolicy, RowPlan, profile_costs
 from verispec.engine.batch_step import BatchStats, Row, batched_step
@@ -252,8 +253,8 @@ class BatchEngine:
         budget = slots * self.max_len if kv_budget_tokens is None else min(kv_budget_tokens, slots * self.max_len)
         self.scheduler: Scheduler[_Request] = Scheduler(slots, budget, self.max_len)
         self.cache = self.target.new_cache(slots, cache_len)
-        self.draft_model = (BatchDraftModel(self.draft, slots, cache_len, self.target.args.vocab_size)
-                            if self.draft is not None else None)
+        self.draft_model = (BatchDraftModel(self.draft, slots, cache_len, self.target.args.vocab_size,
+                                            special_token_ids(engine)) if self.draft is not None else None)
         self.prefill_chunk = prefill_chunk
         self.costs = costs
         self.policy: BatchPolicy | None = None
@@ -470,7 +471,7 @@ class BatchEngine:
                 row.model_draft = True
                 row.min_confidence = spec.confidence if spec.k_policy == "confidence" else 0.0
                 assert self.draft_model is not None
-                self.draft_model.begin(slot)
+                self.draft_model.begin(slot, req.prompt, spec.draft_vocab)
             else:
                 row.drafter = self._drafters.acquire(spec)
                 row.drafter.begin(req.prompt)

@@ -12,16 +12,26 @@ more than a few tokens (it ran plain steps for a while) first catches up alone, 
 every other row pad. Slots in the forward's row span that are not drafting get dummy tokens at
 positions from their own cache length on: attention masks by position, so such entries are never
 read before they are overwritten (the same argument as the cache's O(1) rollback).
+
+Rows begun with a reduced draft vocabulary (``begin(slot, prompt, draft_vocab)``, see
+:mod:`verispec.drafters.vocab`) share one reduced head per forward when all drafting rows use the
+same ``draft_vocab``: the first ``draft_vocab`` ids plus the special tokens plus the union of the
+rows' prompt ids. Each row's logits are then cut to its own subset (prefix, specials, its own
+prompt's ids), so a row drafts what :class:`~verispec.drafters.model.ModelDrafter` would draft for
+it alone. A forward mixing such rows with full-vocabulary rows (or other sizes) runs the full head
+and cuts the reduced rows' logits the same way: still each row's own subset, just no saving.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
 
 from verispec.drafters.base import Proposal
+from verispec.drafters.vocab import DraftVocab, SubsetHead, check_draft_vocab
 from verispec.engine.metrics import sync
 from verispec.models.llama import Transformer
 from verispec.sampling import SamplingParams, probs_from_logits, sample
@@ -48,7 +58,8 @@ class DraftRow:
 class BatchDraftModel:
     """Drafts for the rows of a batch with one model and one ``slots``-row KV cache."""
 
-    def __init__(self, model: Transformer, slots: int, cache_len: int, vocab_size: int | None = None) -> None:
+    def __init__(self, model: Transformer, slots: int, cache_len: int, vocab_size: int | None = None,
+                 special_ids: Iterable[int] = ()) -> None:
         self.model = model
         self.cache = model.new_cache(slots, cache_len)
         # Draft and target embeddings may differ in padding rows; q must live on the target's vocabulary.
@@ -59,11 +70,47 @@ class BatchDraftModel:
         self.catch_up_s = 0.0
         # Per slot: (the request's generator, a generator of our own on the draft's device).
         self._local_gens: dict[int, tuple[torch.Generator, torch.Generator]] = {}
+        # Reduced draft vocabularies: ids every reduced head scores, the builders per size, and per slot
+        # (size, the row's extra ids as a tensor); _epoch tells a slot's successive requests apart.
+        self.special_ids = frozenset(special_ids)
+        self._vocabs: dict[int, DraftVocab] = {}
+        self._row_vocab: dict[int, tuple[int, torch.Tensor]] = {}
+        self._epoch: dict[int, int] = {}
+        self._head_key: tuple | None = None
+        self._head: SubsetHead | None = None
+        self.reduced_forwards = 0  # lockstep forwards that ran a reduced head
 
-    def begin(self, slot: int) -> None:
-        """A new sequence takes ``slot``."""
+    def begin(self, slot: int, prompt: list[int] | None = None, draft_vocab: int | None = None) -> None:
+        """A new sequence takes ``slot``; ``draft_vocab`` drafts it with a reduced head (its prompt's ids included)."""
         self.cache.reset(slot)
         self._local_gens.pop(slot, None)
+        self._epoch[slot] = self._epoch.get(slot, 0) + 1
+        check_draft_vocab(draft_vocab)
+        if draft_vocab is None or draft_vocab >= self.model.args.vocab_size:
+            self._row_vocab.pop(slot, None)
+            return
+        vocab = self._vocabs.get(draft_vocab)
+        if vocab is None:
+            vocab = self._vocabs[draft_vocab] = DraftVocab(self.model, draft_vocab, self.special_ids)
+        extra = torch.tensor(vocab.extra_ids(prompt or ()), dtype=torch.long, device=self.model.device)
+        self._row_vocab[slot] = (draft_vocab, extra)
+
+    def _head_for(self, rows: list[DraftRow]) -> tuple[SubsetHead | None, dict[int, tuple[int, torch.Tensor]]]:
+        """The head for a forward drafting ``rows`` and the slots whose logits must be cut to their own subset."""
+        vocabs = [self._row_vocab.get(r.slot) for r in rows]
+        reduced = {r.slot: v for r, v in zip(rows, vocabs, strict=True) if v is not None}
+        if not reduced:
+            return None, {}
+        sizes = {n for n, _ in reduced.values()}
+        if len(reduced) < len(rows) or len(sizes) > 1:
+            return None, reduced  # mixed: the full head, each reduced row cut to its subset
+        key = (next(iter(sizes)), tuple((r.slot, self._epoch.get(r.slot, 0)) for r in rows))
+        if key != self._head_key:  # the same requests as last step reuse the head
+            union = sorted(set().union(*(extra.tolist() for _, extra in reduced.values())))
+            self._head_key, self._head = key, self._vocabs[key[0]].head_for(union)
+        assert self._head is not None
+        n_union = int(self._head.extra_ids.numel())
+        return self._head, {slot: v for slot, v in reduced.items() if int(v[1].numel()) < n_union}
 
     def _generator(self, slot: int, generator: torch.Generator | None) -> torch.Generator | None:
         # As ModelDrafter: a request generator on another device seeds, once per request, one on ours.
@@ -90,6 +137,9 @@ class BatchDraftModel:
         """Draft up to ``row.k`` tokens for every row; one proposal per row, in order."""
         device, lengths = self.model.device, self.cache.lengths
         feeds: dict[int, list[int]] = {}
+        head, cut = self._head_for([r for r in rows if r.k > 0])
+        # Only name the head when there is one: a compiled forward (engine.compiled) takes no head argument.
+        head_arg = {} if head is None else {"head": head}
         for r in rows:
             if r.k <= 0:
                 continue
@@ -104,7 +154,7 @@ class BatchDraftModel:
                 sync(device)
                 t0 = time.perf_counter()
                 self.model(torch.tensor([lag], device=device), pos, self.cache, rows=slice(r.slot, r.slot + 1),
-                           last_only=True)
+                           last_only=True, **head_arg)
                 sync(device)
                 self.catch_up_s += time.perf_counter() - t0
                 self.catch_up_tokens += len(lag)
@@ -123,11 +173,15 @@ class BatchDraftModel:
                 tokens[r.slot - lo] = torch.tensor(f + [f[-1]] * (width - len(f)))
             pos = torch.tensor(starts).unsqueeze(1) + torch.arange(width)
             logits = self.model(tokens.to(device), pos.to(device), self.cache, kv_len=int(pos.max()) + 1,
-                                rows=slice(lo, hi), last_only=width == 1)
+                                rows=slice(lo, hi), last_only=width == 1, **head_arg)
             self.forwards += 1
+            self.reduced_forwards += int(head is not None)
             # Each row's logits at its own last real position: [len(active), V].
             at = torch.tensor([len(feeds[r.slot]) - 1 if width > 1 else 0 for r in active], device=logits.device)
             picked = logits[torch.tensor([r.slot - lo for r in active], device=logits.device), at]
+            for i, r in enumerate(active):
+                if r.slot in cut:
+                    _restrict(picked[i], *cut[r.slot])
             if picked.shape[-1] != self.vocab_size:
                 picked = _fit_vocab(picked, self.vocab_size)
             for r in active:
@@ -165,6 +219,13 @@ class BatchDraftModel:
             r.tokens.append(sample(q, r.generator))
             r.probs.append(q)
             r.done = len(r.tokens) >= r.k
+
+
+def _restrict(logits: torch.Tensor, n: int, extra: torch.Tensor) -> None:
+    """Cut one row's logits (in place) to its own subset: the first ``n`` ids and ``extra``."""
+    keep = logits[extra].clone()
+    logits[n:] = float("-inf")
+    logits[extra] = keep
 
 
 def _fit_vocab(logits: torch.Tensor, size: int) -> torch.Tensor:

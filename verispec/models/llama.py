@@ -151,20 +151,22 @@ class Transformer(nn.Module):
         return KVCache(a.n_layers, batch, a.n_kv_heads, max_len, a.head_dim, self.dtype, self.device)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, kv_len: int | None = None,
-                rows: slice = slice(None), last_only: bool = False, n_layers: int | None = None) -> torch.Tensor:
+                rows: slice = slice(None), last_only: bool = False, n_layers: int | None = None,
+                head: nn.Module | None = None) -> torch.Tensor:
         """Run ``tokens`` ``[B, m]`` at ``positions`` ``[B, m]``; return fp32 logits ``[B, m, vocab]``.
 
         ``rows`` selects the cache rows these B sequences occupy; ``kv_len`` bounds the keys
         attended to (at least ``positions.max() + 1``; computed when omitted). ``last_only``
         returns logits for the last position only (prefill). ``n_layers`` exits early after
-        that many layers (self-speculative drafting).
+        that many layers (self-speculative drafting). ``head`` replaces ``lm_head`` for this call
+        (a drafter's reduced vocabulary head; the model itself, maybe shared, is left as it is).
         """
         b, m = tokens.shape
         if kv_len is None:
             kv_len = int(positions.max()) + 1
         x = self.embed(tokens)
         if self._use_fused(x, cache):
-            return self._forward_fused(x, positions, cache, kv_len, rows, last_only, n_layers)
+            return self._forward_fused(x, positions, cache, kv_len, rows, last_only, n_layers, head)
         cos = self.rope_cos[positions].unsqueeze(1)
         sin = self.rope_sin[positions].unsqueeze(1)
         a = self.args
@@ -176,7 +178,7 @@ class Transformer(nn.Module):
             x = layer(x, cos, sin, k, v, write, kv_len, mask)
         if last_only:
             x = x[:, -1:]
-        return self.lm_head(self.norm(x)).float()
+        return (head or self.lm_head)(self.norm(x)).float()
 
     def _use_fused(self, x: torch.Tensor, cache: KVCache) -> bool:
         """Whether this forward runs :mod:`verispec.kernels`' fused small ops (decode/verification on a CPU)."""
@@ -185,7 +187,7 @@ class Transformer(nn.Module):
                 and cache.k[0].dtype == x.dtype and cache.k[0].device.type == "cpu")
 
     def _forward_fused(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache, kv_len: int, rows: slice,
-                       last_only: bool, n_layers: int | None) -> torch.Tensor:
+                       last_only: bool, n_layers: int | None, head: nn.Module | None = None) -> torch.Tensor:
         """:meth:`forward` for a few tokens per row through the fused ops: no mask is built (attention
         masks by position itself), and each layer is norm -> wqkv -> attend -> wo -> add + norm ->
         gate/up -> silu * up -> down -> add + the next norm (the final norm after the last layer)."""
@@ -209,7 +211,7 @@ class Transformer(nn.Module):
         h = h.view(b, m, dim)
         if last_only:
             h = h[:, -1:]
-        return self.lm_head(h).float()
+        return (head or self.lm_head)(h).float()
 
     @staticmethod
     def _mask(positions: torch.Tensor, kv_len: int) -> torch.Tensor:
