@@ -10,6 +10,11 @@ come from DRAM as in a real forward; the median of --reps rounds is reported, wi
 weight bytes read per second. Usage:
 
     python bench/kernel_bench.py [--threads 2] [--reps 7] [--m-max 8] [--shapes qkv,o,gate_up,down,lm_head]
+
+``--large-m 32,64,128,256,900`` instead times prefill-sized M: verispec's kernel against the
+large-M path of the layers (the weight expanded to bf16 by int4_dequant / int8_dequant /
+bf16_unpack into a reused buffer, then ``F.linear``, i.e. oneDNN), in GFLOPS; that crossover
+sets ``PREFILL_M`` in verispec/models/linear.py.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import argparse
 import math
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -87,6 +93,50 @@ def time_calls(fn, copies: list, x: torch.Tensor, reps: int) -> float:
     return statistics.median(rounds)
 
 
+def large_m_paths(fmt: str, n: int, k: int, buf: torch.Tensor) -> tuple[Callable, Callable]:
+    """(verispec's kernel, the weight expanded to bf16 into ``buf``) for one weight copy of ``fmt``."""
+
+    def kernel(x: torch.Tensor, c) -> torch.Tensor:  # noqa: ANN001 - a copy of int4_copies / int8_copies / bf16_copies
+        if fmt == "int4":
+            return kernels.int4_mm(x, c[0], c[1], n)
+        if fmt == "int8":
+            return kernels.int8_mm(x, c[0], c[1], n)
+        return kernels.bf16_mm(x, c, n)
+
+    def expand(c) -> torch.Tensor:  # noqa: ANN001
+        if fmt == "int4":
+            return kernels.int4_dequant(c[0], c[1], n, k, buf)
+        if fmt == "int8":
+            return kernels.int8_dequant(c[0], c[1], n, k, buf)
+        return kernels.bf16_unpack(c, n, k, buf)
+
+    return kernel, expand
+
+
+def large_m(jobs: list, ms: list[int], reps: int, stream_mb: float) -> None:
+    """GFLOPS of verispec's kernel vs dequantize + oneDNN (``F.linear``) for prefill-sized M."""
+    cols = " | ".join(f"M={m}" for m in ms)
+    print(f"| shape [N, K] | format | path | {cols} |")
+    print("|---|---|---|" + "---:|" * len(ms))
+    for name, n, k, fmt in jobs:
+        per_weight = {"int4": 0.5 + 4 / 32, "int8": 1.0 + 2 / k, "bf16": 2.0}[fmt]
+        count = max(2, math.ceil(stream_mb * 2**20 / (n * k * per_weight)))
+        _, fast = {"int4": int4_copies, "int8": int8_copies, "bf16": bf16_copies}[fmt](n, k, count)
+        kernel, expand = large_m_paths(fmt, n, k, torch.empty(n, k, dtype=torch.bfloat16))  # reused, as in the layers
+        runs = {"kernel": kernel,
+                "dequant+oneDNN": lambda x, c, expand=expand: torch.nn.functional.linear(x, expand(c))}
+        for kind, fn in runs.items():
+            cells = []
+            for m in ms:
+                x = torch.randn(m, k).to(torch.bfloat16)
+                cells.append(f"{2 * m * n * k / time_calls(fn, fast, x, reps) / 1e9:.0f}")
+            print(f"| {name} [{n}, {k}] | {fmt} | {kind} | {' | '.join(cells)} |", flush=True)
+        t = time_calls(lambda x, c, expand=expand: expand(c), fast, None, reps)
+        print(f"| {name} [{n}, {k}] | {fmt} | dequant alone: {t * 1e3:.2f} ms, {n * k * 2 / t / 1e9:.1f} GB/s written |"
+              + " |" * len(ms), flush=True)
+        del fast
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
@@ -95,6 +145,7 @@ def main() -> None:
     ap.add_argument("--stream-mb", type=float, default=160.0, help="total weight bytes cycled through per round")
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--int8-all", action="store_true", help="also time the int4 shapes as int8")
+    ap.add_argument("--large-m", default="", help="comma-separated prefill M: kernel vs dequantize + oneDNN")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     fast_ok = kernels.available()
@@ -102,6 +153,12 @@ def main() -> None:
     jobs = [(s, *SHAPES[s]) for s in args.shapes.split(",")]
     if args.int8_all:
         jobs += [(s, n, k, "int8") for s, (n, k, f) in SHAPES.items() if f == "int4" and s in args.shapes]
+    if args.large_m:
+        if not fast_ok:
+            raise SystemExit(f"--large-m needs the fast kernels ({kernels.why_unavailable()})")
+        print(f"threads {args.threads}, reps {args.reps}; GFLOPS (2 M N K / t)\n")
+        large_m(jobs, [int(m) for m in args.large_m.split(",")], args.reps, args.stream_mb)
+        return
     print(f"threads {args.threads}, reps {args.reps}, fast kernels: {fast_ok or kernels.why_unavailable()}\n")
     cols = " | ".join(f"M={m} µs" for m in ms)
     print(f"| shape [N, K] | format | kernel | {cols} | GB/s M=1 | GB/s M={ms[-1]} | t({ms[-1]})/t(1) |")

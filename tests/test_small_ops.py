@@ -97,6 +97,29 @@ def test_silu_mul_matches_the_reference(dtype, f):
     close(kernels.silu_mul(extreme), F.silu(gate) * up, rel_tol(dtype), 1e-6)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_row_ops_on_prefill_sized_inputs(dtype, threads):
+    # A 900+-token prefill runs them on R = rows x tokens rows at once, split over threads: every row
+    # still as the Python reference does it, and as it comes out alone.
+    g = torch.Generator().manual_seed(9)
+    rows, d, f = 1001, 1536, 2240
+    x = (3 * torch.randn(rows, d, generator=g)).to(dtype)
+    w = (1 + 0.2 * torch.randn(d, generator=g)).to(dtype)
+    y = kernels.rms_norm(x, w, 1e-6)
+    close(y, RMSNorm(w, 1e-6)(x), rel_tol(dtype), 1e-30)
+    assert torch.equal(y[517:518], kernels.rms_norm(x[517:518], w, 1e-6))
+    delta = torch.randn(rows, d, generator=g).to(dtype)
+    summed, res = x + delta, x.clone()
+    y = kernels.add_rms_norm(res, delta, w, 1e-6)
+    assert torch.equal(res, summed)
+    close(y, RMSNorm(w, 1e-6)(summed), rel_tol(dtype), 1e-30)
+    gate_up = (4 * torch.randn(rows, 2 * f, generator=g)).to(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    y = kernels.silu_mul(gate_up)
+    close(y, F.silu(gate) * up, rel_tol(dtype), 1e-6)
+    assert torch.equal(y[1000:], kernels.silu_mul(gate_up[1000:]))
+
+
 # -- attend -------------------------------------------------------------------------------------
 
 
@@ -303,6 +326,58 @@ def test_kernels_stock_keeps_the_python_path(tiny_folders):
     x = odd.embed(torch.zeros(1, 1, dtype=torch.long))
     assert odd.fused_ops and not odd._use_fused(x, odd.new_cache(1, 4))  # head_dim 24: the Python path
     assert all(torch.isfinite(o).all() for o in steps(odd, True))
+
+
+def count_row_ops(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Record the fused row ops (rms_norm, add_rms_norm, silu_mul) called from now on."""
+    calls: list[str] = []
+    for name in ("rms_norm", "add_rms_norm", "silu_mul"):
+        real = getattr(kernels, name)
+
+        def spy(*args, _real=real, _name=name):  # noqa: ANN002, ANN202 - passes everything on
+            calls.append(_name)
+            return _real(*args)
+
+        monkeypatch.setattr(kernels, name, spy)
+    return calls
+
+
+@pytest.mark.parametrize("name", ["qwen2_hd16", "qwen2_hd24"])
+def test_prefill_runs_the_row_ops_and_matches_the_python_path(tiny_folders, name, monkeypatch):
+    # Past SMALL_M tokens (a prefill: SDPA attention) the norms, residual adds and silu * up are the
+    # fused row ops, head size 24 (no fused attention) included; fp32 within the sum-order tolerance.
+    model = build_model(open_source(tiny_folders[name]), torch.float32, progress=False)
+    calls = count_row_ops(monkeypatch)
+    g = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, model.args.vocab_size, (2, SMALL_M + 9), generator=g)
+    pos = torch.arange(SMALL_M + 9).expand(2, -1)
+    for kw in ({}, {"n_layers": 2}, {"last_only": True}):
+        fused = run(model, model.new_cache(2, 64), tokens, pos, True, **kw)
+        n = kw.get("n_layers", 3)
+        assert calls == ["rms_norm"] + ["add_rms_norm", "silu_mul", "add_rms_norm"] * n, kw
+        calls.clear()
+        python = run(model, model.new_cache(2, 64), tokens, pos, False, **kw)
+        assert not calls
+        assert (fused - python).abs().max() <= 1e-4 * python.abs().max(), kw
+
+
+def test_python_path_decode_keeps_its_ops(tiny_folders):
+    # A decode / verification step that takes the Python path (head size 24: no fused attention) runs
+    # exactly the ops it always has, fused_ops or not: bit for bit, in bf16.
+    model = build_model(open_source(tiny_folders["qwen2_hd24"]), torch.bfloat16, progress=False)
+    g = torch.Generator().manual_seed(4)
+    vocab = model.args.vocab_size
+    prompt = torch.randint(0, vocab, (1, 40), generator=g)
+    caches = {fused: model.new_cache(1, 96) for fused in (True, False)}
+    for cache in caches.values():
+        run(model, cache, prompt, torch.arange(40)[None], False)  # the same prefill in both
+    start = 40
+    for m in (1, 5, SMALL_M):
+        tokens = torch.randint(0, vocab, (1, m), generator=g)
+        pos = torch.arange(start, start + m)[None]
+        a, b = (run(model, caches[fused], tokens, pos, fused) for fused in (True, False))
+        assert torch.equal(a, b), m
+        start += m
 
 
 def greedy(model, fused, prompt, n):

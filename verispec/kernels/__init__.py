@@ -6,10 +6,15 @@ cost about the same for M = 1..8 while their weights stream from memory.
 its own packed layout, unpacked once per call into bf16 tiles that every activation row
 reuses through ``vdpbf16ps``. Dense bf16 weights use the same layout and loop without the unpack
 (PyTorch's oneDNN bf16 GEMV for one row reads well under the machine's bandwidth).
+For a prefill (hundreds of rows, compute-bound) :func:`int4_dequant`, :func:`int8_dequant` and
+:func:`bf16_unpack` expand a weight to bf16 [N, K] for oneDNN's GEMM instead (the layers choose:
+``verispec.models.linear.large_m``). They are plain functions, not operators: torch.compile'd
+forwards keep the kernels.
 
 ``small_ops.cpp``, built into the same extension, fuses the small ops around those matmuls in a
 decode / verification step (RMSNorm, residual add + RMSNorm, RoPE + K/V cache write + few-query
 attention, silu * up): :func:`rms_norm`, :func:`add_rms_norm`, :func:`attend`, :func:`silu_mul`.
+The row-wise ones (all but :func:`attend`) also serve prefill, parallel over rows.
 
 The C++ extension is compiled once with ``torch.utils.cpp_extension`` (g++ and ninja) into
 ``$VERISPEC_HOME/kernels/`` (``make setup`` runs ``python -m verispec.kernels``) and loaded
@@ -206,6 +211,14 @@ def int4_mm(x: torch.Tensor, packed: torch.Tensor, sz: torch.Tensor, n: int, bia
     return (_EXT or _ext()).int4_mm(x, packed, sz, n, bias, out_dtype == torch.float32)
 
 
+def int4_dequant(packed: torch.Tensor, sz: torch.Tensor, n: int, k: int,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """The weight as bf16 [N, K]: ``(q - 8) * scale + zero`` in fp32, rounded once to bf16 (equal to
+    ``Int4Weight.dequantize().to(torch.bfloat16)``); for the large-M path (oneDNN's GEMM) of prefill.
+    Written into ``out`` (contiguous bf16 [N, K]) when given, else into a new tensor."""
+    return (_EXT or _ext()).int4_dequant(packed, sz, n, k, out)
+
+
 # -- int8 -------------------------------------------------------------------------------------
 
 
@@ -216,6 +229,14 @@ def int8_pack(qweight: torch.Tensor) -> torch.Tensor:
 
 def int8_unpack(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
     return _ext().int8_unpack(packed, n, k)
+
+
+def int8_dequant(packed: torch.Tensor, scale: torch.Tensor, n: int, k: int,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """The weight as bf16 [N, K]: ``q * scale`` (scale fp32 or bf16) in fp32, rounded once to bf16 (equal
+    to ``Int8Weight.dequantize().to(torch.bfloat16)``); for the large-M path of prefill. Written into
+    ``out`` (contiguous bf16 [N, K]) when given, else into a new tensor."""
+    return (_EXT or _ext()).int8_dequant(packed, scale, n, k, out)
 
 
 def bf16_split(x: torch.Tensor) -> torch.Tensor:
@@ -250,9 +271,9 @@ def bf16_pack(weight: torch.Tensor) -> torch.Tensor:
     return _ext().bf16_pack(weight)
 
 
-def bf16_unpack(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
-    """The bf16 [N, K] weight back (a copy)."""
-    return _ext().bf16_unpack(packed, n, k)
+def bf16_unpack(packed: torch.Tensor, n: int, k: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The bf16 [N, K] weight back (a copy; into ``out``, contiguous bf16 [N, K], when given)."""
+    return (_EXT or _ext()).bf16_unpack(packed, n, k, out)
 
 
 def bf16_mm(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None,

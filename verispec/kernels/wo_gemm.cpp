@@ -19,6 +19,10 @@
 // bf16 layout: the same [ceil(N/16), K/2, 16, 2] with bf16 values: every 64 bytes are a tile as
 //   they are, so dense bf16 weights stream with the same loop and no unpacking at all.
 //
+// For many rows (a prompt's prefill) the work is compute-bound and oneDNN's bf16 GEMM is faster:
+// int4_dequant / int8_dequant / bf16_unpack expand a weight into a temporary bf16 [N, K] for it
+// (see "dequantization" below; the layers in verispec/models/linear.py choose by tokens per row).
+//
 // Every function using AVX-512 carries a target attribute, so this file is compiled without
 // -mavx512* and the library loads on any x86-64 CPU; cpu_supported() says whether to call it.
 // The per-row arithmetic does not depend on M nor on how rows are chunked or threaded: a row
@@ -32,6 +36,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -637,10 +642,225 @@ torch::Tensor bf16_pack(const torch::Tensor& w) {
   return out;
 }
 
-torch::Tensor bf16_unpack(const torch::Tensor& packed, int64_t n, int64_t k) {
-  return pairs_unpack(packed, n, k, torch::kBFloat16, "bf16_unpack");
+// ---- dequantization to bf16 rows (prefill) ----------------------------------------------------
+//
+// For many activation rows (a prompt's prefill) the products are compute-bound, and oneDNN's
+// bf16 GEMM beats the kernels above; the layers then expand the weight once per call into a
+// temporary bf16 [N, K] with these functions and call F.linear. Each 16-row block is expanded
+// 32 k at a time: 16 "pair tiles" (16 rows x 2 k, one dword per row, the kernels' operand) are
+// computed in registers and transposed (16 x 16 dwords) into 16 row segments of 64 bytes.
+// Values are computed in fp32 exactly as the Python reference does (Int4Weight.dequantize,
+// Int8Weight.dequantize) and rounded to bf16 with PyTorch's own rounding (round to nearest even
+// on the bits, denormals kept, NaN -> 0x7FC0), not vcvtneps2bf16 (which flushes denormals), so
+// the result equals the reference's .to(torch.bfloat16) bit for bit.
+
+// Dword r of every row of t[0..15] <-> dword t of row r: a 16 x 16 transpose of 32-bit elements.
+VS_AVX512 inline void transpose16x16(__m512i* r) {
+  __m512i t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  // r[4i + j], 128-bit lane L: rows 4i..4i+3 of column 4L + j.
+  for (int i = 0; i < 4; ++i) {
+    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  // Column c = 4L + j gathers lane L of r[j], r[4 + j], r[8 + j], r[12 + j].
+  for (int j = 0; j < 4; ++j) {
+    const __m512i s0 = _mm512_shuffle_i32x4(r[j], r[4 + j], 0x44), s1 = _mm512_shuffle_i32x4(r[j], r[4 + j], 0xEE);
+    const __m512i s2 = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0x44);
+    const __m512i s3 = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0xEE);
+    t[j] = _mm512_shuffle_i32x4(s0, s2, 0x88);
+    t[4 + j] = _mm512_shuffle_i32x4(s0, s2, 0xDD);
+    t[8 + j] = _mm512_shuffle_i32x4(s1, s3, 0x88);
+    t[12 + j] = _mm512_shuffle_i32x4(s1, s3, 0xDD);
+  }
+  for (int i = 0; i < 16; ++i) r[i] = t[i];
 }
 
+// fp32 -> bf16 as c10::BFloat16 rounds (nearest even on the bits; NaN -> 0x7FC0): the bf16 bits in
+// the high half of each dword, the low half zero.
+VS_AVX512 inline __m512i bf16_high(__m512 v) {
+  const __m512i b = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC00000));
+  return _mm512_and_si512(r, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)));
+}
+
+inline uint16_t bf16_round(float v) {
+  uint32_t b;
+  std::memcpy(&b, &v, sizeof(b));
+  if (std::isnan(v)) return 0x7FC0;
+  return static_cast<uint16_t>((b + 0x7FFF + ((b >> 16) & 1)) >> 16);
+}
+
+// Two fp32 vectors of 16 -> one of 32 bf16: word 2i from even[i], word 2i + 1 from odd[i] (a pair tile).
+VS_AVX512 inline __m512i bf16_pairs(__m512 even, __m512 odd) {
+  return _mm512_or_si512(_mm512_srli_epi32(bf16_high(even), 16), bf16_high(odd));
+}
+
+// Two fp32 vectors of 16 -> one of 32 bf16: words 0..15 from lo, 16..31 from hi.
+VS_AVX512 inline __m512i bf16_concat(__m512 lo, __m512 hi) {
+  alignas(64) static const uint16_t high_words[32] = {1,  3,  5,  7,  9,  11, 13, 15, 17, 19, 21,
+                                                      23, 25, 27, 29, 31, 33, 35, 37, 39, 41, 43,
+                                                      45, 47, 49, 51, 53, 55, 57, 59, 61, 63};
+  return _mm512_permutex2var_epi16(bf16_high(lo), _mm512_load_si512(high_words), bf16_high(hi));
+}
+
+// 16 transposed tiles -> 16 rows of 32 bf16 at dst (row stride ld), the first `rows` of them.
+VS_AVX512 inline void store_rows(__m512i* t, uint16_t* dst, int64_t ld, int64_t rows) {
+  transpose16x16(t);
+  for (int64_t r = 0; r < rows; ++r) _mm512_storeu_si512(dst + r * ld, t[r]);
+}
+
+// One int4 block (16 rows, layout of int4_block) -> bf16 rows: w = (q - 8) * scale + zero in fp32
+// (the product is exact, so the FMA rounds once, as the reference's multiply then add does).
+VS_AVX512 void int4_block_dequant(const uint8_t* w, const uint32_t* sz, int64_t k, uint16_t* dst) {
+  alignas(64) static const uint16_t lut_words[32] = {
+      0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80,
+      0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,
+      0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80,
+      0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0};
+  const __m512i lut = _mm512_load_si512(lut_words);
+  const __m512i hi_mask = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t g = 0; g < k / GS; ++g) {
+    const __m512i s2 = _mm512_loadu_si512(sz + g * 16);  // dword r: row r's (scale, zero)
+    const __m512 sc = _mm512_castsi512_ps(_mm512_slli_epi32(s2, 16));
+    const __m512 zr = _mm512_castsi512_ps(_mm512_and_si512(s2, hi_mask));
+    __m512i t[16];
+    for (int o = 0; o < 4; ++o) {
+      const __m512i d = _mm512_loadu_si512(w + g * 256 + o * 64);
+      for (int s = 0; s < 4; ++s) {  // word 2r + e, nibble s: row r, k = 32g + 8o + 2s + e
+        const __m512i q = _mm512_permutexvar_epi16(_mm512_srli_epi16(d, 4 * s), lut);
+        const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(q, 16));
+        const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(q, hi_mask));
+        t[4 * o + s] = bf16_pairs(_mm512_fmadd_ps(even, sc, zr), _mm512_fmadd_ps(odd, sc, zr));
+      }
+    }
+    store_rows(t, dst + g * GS, k, BN);
+  }
+}
+
+// One int8 block ([k/2][16][2], `rows` real rows) -> bf16 rows: w = q * scale[row] in fp32, as the reference.
+VS_AVX512 void int8_block_dequant(const int8_t* w, const void* scale, bool scale_bf16, int64_t k, int64_t rows,
+                                  uint16_t* dst) {
+  alignas(64) float sc[BN] = {};
+  const __m512 s16 = load16(scale, scale_bf16, static_cast<int>(rows));
+  _mm512_store_ps(sc, s16);
+  // Lane i of a pair tile's low / high 16 bytes is row i / 2 (rows 0..7) / 8 + i / 2.
+  const __m512i lo_rows = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+  const __m512 sc_lo = _mm512_permutexvar_ps(lo_rows, s16);
+  const __m512 sc_hi = _mm512_permutexvar_ps(_mm512_add_epi32(lo_rows, _mm512_set1_epi32(8)), s16);
+  const int64_t pairs = k / 2;
+  int64_t p = 0;
+  for (; p + 16 <= pairs; p += 16) {
+    __m512i t[16];
+    for (int i = 0; i < 16; ++i) {
+      const int8_t* src = w + (p + i) * 32;
+      const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))));
+      const __m512 hi =
+          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16))));
+      t[i] = bf16_concat(_mm512_mul_ps(lo, sc_lo), _mm512_mul_ps(hi, sc_hi));
+    }
+    store_rows(t, dst + 2 * p, k, rows);
+  }
+  for (; p < pairs; ++p)  // K not a multiple of 32
+    for (int64_t r = 0; r < rows; ++r)
+      for (int e = 0; e < 2; ++e) dst[r * k + 2 * p + e] = bf16_round(static_cast<float>(w[p * 32 + 2 * r + e]) * sc[r]);
+}
+
+// One bf16 block ([k/2][16][2]) -> rows: the tiles transposed as they are.
+VS_AVX512 void bf16_block_unpack(const uint16_t* w, int64_t k, int64_t rows, uint16_t* dst) {
+  const int64_t pairs = k / 2;
+  int64_t p = 0;
+  for (; p + 16 <= pairs; p += 16) {
+    __m512i t[16];
+    for (int i = 0; i < 16; ++i) t[i] = _mm512_loadu_si512(w + (p + i) * 32);
+    store_rows(t, dst + 2 * p, k, rows);
+  }
+  for (; p < pairs; ++p)
+    for (int64_t r = 0; r < rows; ++r) std::memcpy(dst + r * k + 2 * p, w + p * 32 + 2 * r, 4);
+}
+
+// Blocks per task: ~256 KiB of output, so a small layer stays on one thread.
+int64_t dequant_grain(int64_t k) { return std::max<int64_t>(1, (256 << 10) / (BN * k * 2)); }
+
+// The [N, K] bf16 result: `out` when given (a caller's reused buffer: a fresh tensor of tens of MiB
+// costs its page faults on every call, about as much as writing it), else a new tensor.
+torch::Tensor dequant_out(const c10::optional<torch::Tensor>& out, int64_t n, int64_t k, const torch::Tensor& like) {
+  if (!out.has_value() || !out->defined()) return torch::empty({n, k}, like.options().dtype(torch::kBFloat16));
+  TORCH_CHECK(out->scalar_type() == torch::kBFloat16 && out->is_contiguous() && out->dim() == 2 && out->size(0) == n &&
+                  out->size(1) == k && out->device().is_cpu(),
+              "dequant: out must be a contiguous CPU bf16 [N, K]");
+  return *out;
+}
+
+// packed int4 (layout above) + sz bf16 [N/16, K/32, 16, 2] -> bf16 [N, K], (q - 8) * scale + zero.
+torch::Tensor int4_dequant(const torch::Tensor& w, const torch::Tensor& sz, int64_t n, int64_t k,
+                           const c10::optional<torch::Tensor>& out) {
+  check_cpu();
+  TORCH_CHECK(k % GS == 0 && n % BN == 0, "int4_dequant: K % 32 == 0 and N % 16 == 0 required");
+  TORCH_CHECK(w.scalar_type() == torch::kUInt8 && w.is_contiguous() && w.numel() == n * k / 2, "int4_dequant: packed w");
+  TORCH_CHECK(sz.scalar_type() == torch::kBFloat16 && sz.is_contiguous() && sz.numel() == n * (k / GS) * 2,
+              "int4_dequant: scales/zeros bf16 [N/16, K/32, 16, 2]");
+  auto y = dequant_out(out, n, k, w);
+  const auto* wp = w.data_ptr<uint8_t>();
+  const auto* szp = reinterpret_cast<const uint32_t*>(sz.data_ptr());
+  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
+  at::parallel_for(0, n / BN, dequant_grain(k), [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b)
+      int4_block_dequant(wp + b * (k * BN / 2), szp + b * (k / GS) * BN, k, yp + b * BN * k);
+  });
+  return y;
+}
+
+// packed int8 [ceil(N/16), K/2, 16, 2] + scale [N] (fp32/bf16) -> bf16 [N, K], q * scale.
+torch::Tensor int8_dequant(const torch::Tensor& w, const torch::Tensor& scale, int64_t n, int64_t k,
+                           const c10::optional<torch::Tensor>& out) {
+  check_cpu();
+  const int64_t blocks = (n + BN - 1) / BN;
+  TORCH_CHECK(k % 2 == 0, "int8_dequant: K must be even");
+  TORCH_CHECK(w.scalar_type() == torch::kChar && w.is_contiguous() && w.numel() == blocks * BN * k,
+              "int8_dequant: packed w");
+  TORCH_CHECK(scale.is_contiguous() && scale.numel() == n &&
+                  (scale.scalar_type() == torch::kFloat || scale.scalar_type() == torch::kBFloat16),
+              "int8_dequant: scale fp32/bf16 [N]");
+  auto y = dequant_out(out, n, k, w);
+  const auto* wp = w.data_ptr<int8_t>();
+  const bool sbf16 = scale.scalar_type() == torch::kBFloat16;
+  const auto* sp = static_cast<const char*>(scale.data_ptr());
+  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
+  at::parallel_for(0, blocks, dequant_grain(k), [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b)
+      int8_block_dequant(wp + b * BN * k, sp + b * BN * (sbf16 ? 2 : 4), sbf16, k, std::min(BN, n - b * BN),
+                         yp + b * BN * k);
+  });
+  return y;
+}
+
+// The bf16 [N, K] weight back from its packed layout (a copy): the tile transpose above, or a
+// plain permute where this CPU cannot run it.
+torch::Tensor bf16_unpack(const torch::Tensor& packed, int64_t n, int64_t k, const c10::optional<torch::Tensor>& out) {
+  if (!cpu_supported()) {
+    auto y = pairs_unpack(packed, n, k, torch::kBFloat16, "bf16_unpack");
+    return out.has_value() && out->defined() ? dequant_out(out, n, k, packed).copy_(y) : y;
+  }
+  const int64_t blocks = (n + BN - 1) / BN;
+  TORCH_CHECK(k % 2 == 0, "bf16_unpack: K must be even");
+  TORCH_CHECK(packed.scalar_type() == torch::kBFloat16 && packed.numel() == blocks * BN * k, "bf16_unpack: packed w");
+  const auto c = packed.contiguous();
+  auto y = dequant_out(out, n, k, c);
+  const auto* wp = reinterpret_cast<const uint16_t*>(c.data_ptr());
+  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
+  at::parallel_for(0, blocks, dequant_grain(k), [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) bf16_block_unpack(wp + b * BN * k, k, std::min(BN, n - b * BN), yp + b * BN * k);
+  });
+  return y;
+}
 }  // namespace
 
 // The matmuls as PyTorch operators too, so torch.compile keeps them in its graphs (the Python side
@@ -682,6 +902,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_pack", &int8_pack, "int8 [N, K] -> int8 layout");
   m.def("int8_unpack", &int8_unpack, "int8 layout -> int8 [N, K]");
   m.def("bf16_pack", &bf16_pack, "bf16 [N, K] -> bf16 layout");
-  m.def("bf16_unpack", &bf16_unpack, "bf16 layout -> bf16 [N, K]");
+  m.def("bf16_unpack", &bf16_unpack, "bf16 layout -> bf16 [N, K]", py::arg("w"), py::arg("n"), py::arg("k"),
+        py::arg("out") = py::none());
+  m.def("int4_dequant", &int4_dequant, "int4 layout + scales/zeros -> bf16 [N, K]", py::arg("w"), py::arg("sz"),
+        py::arg("n"), py::arg("k"), py::arg("out") = py::none());
+  m.def("int8_dequant", &int8_dequant, "int8 layout + scale -> bf16 [N, K]", py::arg("w"), py::arg("scale"),
+        py::arg("n"), py::arg("k"), py::arg("out") = py::none());
   VS_NS::register_small_ops(m);
 }

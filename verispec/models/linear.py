@@ -10,11 +10,14 @@ CUDA), a quarter of the bytes of bf16 plus 1/8 byte per weight of scales. See do
 
 On CPUs with AVX-512 BF16 both quantized layers, and dense bf16 ones, run verispec's own
 kernels instead (:mod:`verispec.kernels`: weights repacked at load into the kernel's layout, cost
-nearly flat over M = 1..8 rows); ``kernels="stock"`` keeps PyTorch's.
+nearly flat over M = 1..8 rows); ``kernels="stock"`` keeps PyTorch's. A prefill (bf16 activations,
+at least :data:`PREFILL_M` tokens per row) is compute-bound instead: those layers then expand the
+weight to a temporary bf16 [N, K] and call ``F.linear`` (oneDNN's GEMM), see :func:`large_m`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 
@@ -31,23 +34,90 @@ from verispec.log import logger
 WEIGHT_FORMATS = ("dense", "int8", "int4", "int4-all")
 INT4_GROUP = 32
 
+# Tokens per row from which the fast layers (int4, int8 and dense bf16 with verispec's kernels) run
+# a bf16 product as dequantize-to-bf16 + F.linear (oneDNN) instead of their own kernel. Measured on
+# the 2-core Zen 5 (bench/kernel_bench.py --large-m; prefill of the int4 Qwen2.5-Coder-1.5B with the
+# threshold toggled): per layer the kernels win below ~192 tokens and tie at ~192-256 (int4 q/k/v, o,
+# int8 down) or ~256 (int4 gate/up, 55 MB to expand); above, the oneDNN path wins by 10-25% at 512-900.
+# For the whole prefill the kernels are 3% faster at 224 tokens, even at 256, and 3/10/11/23% slower at
+# 300/384/512/900. Expanding writes 2 bytes per weight (55 MB for gate/up), which only many rows amortize.
+PREFILL_M = 256
+# Weights larger than this many elements (a big vocabulary's lm_head asked for every position's
+# logits) are expanded and multiplied in row chunks, so the scratch buffer stays bounded.
+LARGE_M_CHUNK = 32 * 2**20
+
+
+class WeightScratch:
+    """One reused bf16 buffer for the large-M path's expanded weights, shared by a model's layers.
+
+    A fresh tensor of tens of MiB pays its page faults on every call, about as much as writing it,
+    so a model keeps one (grown as needed, never shrunk; at most :data:`LARGE_M_CHUNK` elements).
+    A model's forwards run one at a time, so its layers can share it; a layer without one (built
+    outside :meth:`Transformer.from_state_dict`) allocates per call.
+    """
+
+    def __init__(self) -> None:
+        self._buf: torch.Tensor | None = None
+
+    def weight(self, n: int, k: int) -> torch.Tensor:
+        """A bf16 [n, k] view of the buffer."""
+        if self._buf is None or self._buf.numel() < n * k:
+            self._buf = None  # free the old one before allocating the new one
+            self._buf = torch.empty(n * k, dtype=torch.bfloat16)
+        return self._buf[: n * k].view(n, k)
+
+
+def large_m(x: torch.Tensor) -> bool:
+    """Whether a fast layer takes ``x`` through the large-M path (dequantize + ``F.linear``).
+
+    Only bf16 activations on a CPU, outside torch.compile (compiled graphs keep the kernels), and
+    only ``x`` of at least 3 dims ``[..., m, K]`` with ``m >= PREFILL_M``: the decision is on the
+    tokens per row, never on all rows together. A row's result must not depend on what it is batched
+    with: a decode step of many rows x 1 token (and verification, k + 1 tokens per row) keeps the
+    row-independent kernels whatever the batch size, so speculative verification stays bit-identical
+    to plain decoding, and a prompt's prefill takes the same path alone or beside others. 2-D inputs
+    (the fused decode path passes [B*m, K]) always keep the kernels. fp32 activations keep them too
+    (their exactness matters more than prefill speed there).
+    """
+    return (x.dtype == torch.bfloat16 and x.dim() >= 3 and x.shape[-2] >= PREFILL_M and x.device.type == "cpu"
+            and not torch.compiler.is_compiling())
+
+
+def large_m_linear(x: torch.Tensor, n: int, k: int, expand: Callable[[int, int, torch.Tensor], torch.Tensor],
+                   bias: torch.Tensor | None, scratch: WeightScratch | None) -> torch.Tensor:
+    """``F.linear(x, w, bias)`` with the bf16 weight rows ``[r0, r1)`` written by ``expand(r0, r1, out)``
+    into ``scratch`` (or a fresh tensor), all at once or (past :data:`LARGE_M_CHUNK` elements) in chunks of rows."""
+    if bias is not None:
+        bias = bias.to(x.dtype)
+    step = n if n * k <= LARGE_M_CHUNK else max(16, LARGE_M_CHUNK // k // 16 * 16)
+    outs = []
+    for r0 in range(0, n, step):
+        r1 = min(n, r0 + step)
+        out = scratch.weight(r1 - r0, k) if scratch is not None else torch.empty(r1 - r0, k, dtype=torch.bfloat16)
+        w = expand(r0, r1, out)
+        outs.append(F.linear(x, w, None if bias is None else bias[r0:r1]))
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+
 
 class DenseLinear(nn.Module):
     """``x @ weight.T + bias`` in the weight's dtype.
 
     A bf16 weight on a CPU with the fast kernels (``kernels="auto"``) is held only in
     :mod:`verispec.kernels`' layout (buffer ``packed``, [ceil(N/16), K/2, 16, 2]) and every
-    product, whatever M, runs :func:`~verispec.kernels.bf16_mm`, as :class:`Int8Linear` does
-    with its kernel: PyTorch's matmul would need the [N, K] weight, and unpacking it per call
-    costs several times the matmul, while keeping both copies would double the model's memory.
-    One kernel for every M also keeps each row's result independent of what it is batched
-    with (speculative verification = plain decoding, bit for bit). ``weight`` then unpacks on
-    access (a copy, for tensor-parallel slicing and inspection; not for hot paths).
+    product below :data:`PREFILL_M` tokens per row runs :func:`~verispec.kernels.bf16_mm`, as
+    :class:`Int8Linear` does with its kernel: PyTorch's matmul would need the [N, K] weight, and
+    unpacking it per call costs several times a small-M matmul, while keeping both copies would
+    double the model's memory. One kernel for every such M also keeps each row's result
+    independent of what it is batched with (speculative verification = plain decoding, bit for
+    bit). A prefill (:func:`large_m`) amortizes the unpacking and runs ``F.linear`` instead.
+    ``weight`` unpacks on access (a copy, for tensor-parallel slicing and inspection; not for hot
+    paths).
     fp32 (and other) weights stay an ``nn.Parameter`` and ``F.linear``, as before.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernels: str = "auto") -> None:
         super().__init__()
+        self.scratch: WeightScratch | None = None  # the model's, set by Transformer.from_state_dict
         self.out_features, self.in_features = weight.shape
         self.fast = (weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and self.in_features % 2 == 0
                      and fast_kernels.use_fast(kernels))
@@ -67,11 +137,17 @@ class DenseLinear(nn.Module):
         return w
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fast and large_m(x):
+            return large_m_linear(x, self.out_features, self.in_features, self._expand, self.bias, self.scratch)
         if self.fast and x.dtype == torch.bfloat16:
             shape = x.shape
             y = fast_kernels.bf16_mm(x.reshape(-1, shape[-1]), self.packed, self.out_features, self.bias)
             return y.reshape(*shape[:-1], -1)
         return F.linear(x, self.weight, self.bias)
+
+    def _expand(self, r0: int, r1: int, out: torch.Tensor) -> torch.Tensor:
+        """Weight rows [r0, r1) (r0 a multiple of 16) unpacked into ``out`` (the large-M path)."""
+        return fast_kernels.bf16_unpack(self.packed[r0 // 16: -(-r1 // 16)], r1 - r0, self.in_features, out)
 
     def dequantized(self) -> torch.Tensor:
         return self.weight.float()
@@ -155,6 +231,7 @@ class Int8Linear(nn.Module):
     def __init__(self, weight: torch.Tensor | Int8Weight, bias: torch.Tensor | None, dtype: torch.dtype,
                  kernels: str = "auto") -> None:
         super().__init__()
+        self.scratch: WeightScratch | None = None  # the model's, set by Transformer.from_state_dict
         q = weight if isinstance(weight, Int8Weight) else Int8Weight.quantize(weight, dtype)
         self.out_features, self.in_features = q.shape
         self.fast = (fast_kernels.use_fast(kernels) and q.qweight.device.type == "cpu"
@@ -165,6 +242,8 @@ class Int8Linear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.to(dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fast and large_m(x):
+            return large_m_linear(x, self.out_features, self.in_features, self._expand, self.bias, self.scratch)
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         if self.fast:
@@ -174,6 +253,11 @@ class Int8Linear(nn.Module):
         y = torch._weight_int8pack_mm(x2, self.qweight, self.scale)
         y = y.reshape(*shape[:-1], -1)
         return y if self.bias is None else y + self.bias
+
+    def _expand(self, r0: int, r1: int, out: torch.Tensor) -> torch.Tensor:
+        """Weight rows [r0, r1) (r0 a multiple of 16) as bf16 ``q * scale`` into ``out`` (the large-M path)."""
+        return fast_kernels.int8_dequant(self.qweight[r0 // 16: -(-r1 // 16)], self.scale[r0:r1], r1 - r0,
+                                         self.in_features, out)
 
     def int8_weight(self) -> Int8Weight:
         return Int8Weight(self.qweight, self.scale, "vs16" if self.fast else "rows")
@@ -416,6 +500,7 @@ class Int4Linear(nn.Module):
     def __init__(self, weight: Int4Weight, bias: torch.Tensor | None, dtype: torch.dtype,
                  kernels: str = "auto") -> None:
         super().__init__()
+        self.scratch: WeightScratch | None = None  # the model's, set by Transformer.from_state_dict
         self.out_features, self.in_features = weight.shape
         self.group_size = weight.group_size
         self.fast = (fast_kernels.use_fast(kernels) and weight.packed.device.type == "cpu"
@@ -426,6 +511,8 @@ class Int4Linear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.to(dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fast and large_m(x):
+            return large_m_linear(x, self.out_features, self.in_features, self._expand, self.bias, self.scratch)
         shape = x.shape
         x2 = x.reshape(-1, shape[-1]).to(torch.bfloat16)
         if self.fast:
@@ -440,6 +527,12 @@ class Int4Linear(nn.Module):
             y = torch._weight_int4pack_mm_for_cpu(x2, self.qweight, self.group_size, self.scales_and_zeros)
         y = y.to(x.dtype).reshape(*shape[:-1], -1)
         return y if self.bias is None else y + self.bias
+
+    def _expand(self, r0: int, r1: int, out: torch.Tensor) -> torch.Tensor:
+        """Weight rows [r0, r1) (multiples of 16) as bf16 ``(q - 8) * scale + zero`` into ``out`` (the large-M path)."""
+        b0, b1 = r0 // 16, r1 // 16
+        return fast_kernels.int4_dequant(self.qweight[b0:b1], self.scales_and_zeros[b0:b1], r1 - r0,
+                                         self.in_features, out)
 
     def int4_weight(self) -> Int4Weight:
         """The weight as this layer holds it (layout ``vs16`` with the fast kernels, else ``cpu``)."""

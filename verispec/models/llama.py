@@ -12,8 +12,10 @@ positions and attends over everything up to them.
 On CPUs that run :mod:`verispec.kernels` (models built with ``kernels="auto"``), decode and
 verification steps (m <= SMALL_M, eager, fp32/bf16) run fused ops instead of the modules' Python
 forwards: RMSNorm, residual add + next RMSNorm, RoPE + K/V cache write + attention and silu * up
-are one call each (a step of a small model is otherwise a few hundred tiny aten ops). The Python
-path below stays the reference and the fallback (prefill, torch.compile, other devices).
+are one call each (a step of a small model is otherwise a few hundred tiny aten ops). Longer
+forwards (prefill) keep the modules' attention (SDPA) and projections but run the row-wise fused
+ops (norms, residual adds, silu * up) between them. The Python path below stays the reference and
+the fallback (torch.compile, other devices, models built with kernels="stock").
 """
 
 from __future__ import annotations
@@ -27,7 +29,16 @@ from torch import nn
 from verispec import kernels as fast_kernels
 from verispec.models.args import ModelArgs
 from verispec.models.kv_cache import KVCache
-from verispec.models.linear import Int4Weight, Int8Weight, QuantizedTensor, make_linear
+from verispec.models.linear import (
+    DenseLinear,
+    Int4Linear,
+    Int4Weight,
+    Int8Linear,
+    Int8Weight,
+    QuantizedTensor,
+    WeightScratch,
+    make_linear,
+)
 
 
 class RMSNorm(nn.Module):
@@ -172,6 +183,8 @@ class Transformer(nn.Module):
         a = self.args
         write = (torch.arange(b, device=tokens.device)[:, None].expand(b, m), positions)
         mask = self._mask(positions, kv_len)
+        if self._use_fused_elementwise(x):
+            return self._forward_prefill(x, cos, sin, write, mask, cache, kv_len, rows, last_only, n_layers, head)
         whole = rows == slice(None)  # no view of the cache: a compiled forward writes into it in place
         for i, layer in enumerate(self.layers[: n_layers or a.n_layers]):
             k, v = (cache.k[i], cache.v[i]) if whole else (cache.k[i][rows], cache.v[i][rows])
@@ -185,6 +198,42 @@ class Transformer(nn.Module):
         return (self.fused_ops and not torch.compiler.is_compiling() and x.shape[1] <= SMALL_M
                 and x.device.type == "cpu" and fast_kernels.attend_applies(self.args.head_dim, x.dtype)
                 and cache.k[0].dtype == x.dtype and cache.k[0].device.type == "cpu")
+
+    def _use_fused_elementwise(self, x: torch.Tensor) -> bool:
+        """Whether a forward of more than SMALL_M tokens per row (a prefill: the Python path, SDPA attention)
+        runs its RMSNorms, residual adds and silu * up through the fused row-wise ops. Those are
+        parallel over rows and replace ~8 aten ops per norm (~0.25 s of a 900-token prefill of a 1.5B
+        model). Only above SMALL_M: a decode or verification step that falls back to the Python path
+        (e.g. a head size the fused attention does not take) keeps exactly the ops it has always run."""
+        return (self.fused_ops and not torch.compiler.is_compiling() and x.shape[1] > SMALL_M
+                and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16))
+
+    def _forward_prefill(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                         write: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor, cache: KVCache, kv_len: int,
+                         rows: slice, last_only: bool, n_layers: int | None, head: nn.Module | None) -> torch.Tensor:
+        """:meth:`forward`'s Python path (modules' attention and projections) with the fused row-wise
+        ops between them, chained as in :meth:`_forward_fused`: norm -> attention -> add + norm -> gate/up
+        -> silu * up -> down -> add + the next norm (the final norm after the last layer). The projections
+        get [B, m, .] inputs, so they see the tokens per row (see verispec.models.linear.large_m)."""
+        b, m, dim = x.shape
+        res = x.reshape(b * m, dim)  # the residual stream (a fresh embedding lookup), updated in place
+        layers = self.layers[: n_layers or self.args.n_layers]
+        whole = rows == slice(None)
+        first = layers[0].attn_norm if len(layers) else self.norm
+        h = fast_kernels.rms_norm(res, first.weight, first.eps)
+        for i, layer in enumerate(layers):
+            k, v = (cache.k[i], cache.v[i]) if whole else (cache.k[i][rows], cache.v[i][rows])
+            a = layer.attn(h.view(b, m, dim), cos, sin, k, v, write, kv_len, mask)
+            h = fast_kernels.add_rms_norm(res, a.reshape(b * m, dim), layer.mlp_norm.weight, layer.mlp_norm.eps)
+            mlp = layer.mlp
+            act = fast_kernels.silu_mul(mlp.w_gate_up(h.view(b, m, dim)).reshape(b * m, -1))
+            norm = layers[i + 1].attn_norm if i + 1 < len(layers) else self.norm
+            h = fast_kernels.add_rms_norm(res, mlp.w_down(act.view(b, m, -1)).reshape(b * m, dim), norm.weight,
+                                          norm.eps)
+        h = h.view(b, m, dim)
+        if last_only:
+            h = h[:, -1:]
+        return (head or self.lm_head)(h).float()
 
     def _forward_fused(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache, kv_len: int, rows: slice,
                        last_only: bool, n_layers: int | None, head: nn.Module | None = None) -> torch.Tensor:
@@ -283,4 +332,8 @@ class Transformer(nn.Module):
         lm_head = make_linear(head_w, None, weight_format, dtype, kernels)
         model = cls(args, embed.to(dtype), layers, norm("model.norm.weight"), lm_head, dtype)
         model.fused_ops = fast_kernels.use_fast(kernels)
+        scratch = WeightScratch()  # the prefill's expanded weights, one layer at a time
+        for module in model.modules():
+            if isinstance(module, (DenseLinear, Int8Linear, Int4Linear)):
+                module.scratch = scratch
         return model
