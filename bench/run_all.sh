@@ -47,7 +47,7 @@ for step in $STEPS; do
     int4)         # issues 4, 5, 10: int4 pair, every drafter, the cost policy, llama.cpp as the peer
       test -f "$STORE/meta.json" || $V datastore build "$($PY -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')"/*.py \
         -o "$STORE" --model qwen2.5-coder-1.5b-instruct
-      $V bench "${INT4_PAIR[@]}" --methods none,draft,draft:k=3,draft:policy=cost,ngram,hybrid,hybrid:policy=cost,retrieval:datastore="$STORE" \
+      $V bench "${INT4_PAIR[@]}" --methods none,draft,draft:k=3,draft:policy=cost,draft:policy=cost,vocab=32768,ngram,hybrid,hybrid:policy=cost,hybrid:policy=cost,vocab=32768,retrieval:datastore="$STORE" \
         --dataset spec_bench,humaneval --per-category 3 --n 10 --seed 0 --max-tokens 64 -k 5 --peers llamacpp \
         --no-progress --out "$OUT/int4" ;;
     draft_cost)   # issue 4: the draft cost ratio c for dense, int8 and int4 drafts (bf16 and int4 targets)
