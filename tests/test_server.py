@@ -323,7 +323,9 @@ def test_metrics_change_as_expected(http: httpx.Client, oai: OpenAI) -> None:
                 assert "method" in sample.labels, sample
     stats = http.get("/stats").json()
     assert stats["paths"]["speculative"]["window"]["acceptance_rate"] is not None
-    assert stats["paths"]["plain"]["window"]["mean_accepted_length"] == 1.0
+    # Plain decoding makes one token per step, except a step that ends on EOS (not counted as a token):
+    # at most 1, and below it only by those final steps.
+    assert 0.9 < stats["paths"]["plain"]["window"]["mean_accepted_length"] <= 1.0
 
 
 # -- canary routing ------------------------------------------------------------------------------
