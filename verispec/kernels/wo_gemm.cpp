@@ -67,17 +67,19 @@ bool cpu_supported() {
 
 // ---- int4 -------------------------------------------------------------------------------
 
+// bf16 bits of (i & 15) - 8 for i = 0..31 (vpermw reads 5 index bits; the 5th is the next nibble's):
+// an int4 code to its exact bf16 value q - 8, for the matmul and the dequantize kernels alike.
+alignas(64) const uint16_t lut_words[32] = {
+    0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80,
+    0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,
+    0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80,
+    0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0};
+
 // One 16-row block against M rows of x: out[m][16] = sum over K (fp32).
 template <int M>
 VS_AVX512 inline void int4_block(const uint8_t* __restrict w, const uint32_t* __restrict sz,
                                  const uint16_t* __restrict x, int64_t ldx, const float* __restrict xs,
                                  int64_t ldxs, int64_t groups, float* __restrict out) {
-  // bf16 bits of (i & 15) - 8 for i = 0..31 (vpermw reads 5 index bits; the 5th is the next nibble's).
-  alignas(64) static const uint16_t lut_words[32] = {
-      0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80,
-      0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,
-      0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80,
-      0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0};
   const __m512i lut = _mm512_load_si512(lut_words);
   const __m512i hi_mask = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   __m512 y[M];
@@ -720,11 +722,6 @@ VS_AVX512 inline void store_rows(__m512i* t, uint16_t* dst, int64_t ld, int64_t 
 // One int4 block (16 rows, layout of int4_block) -> bf16 rows: w = (q - 8) * scale + zero in fp32
 // (the product is exact, so the FMA rounds once, as the reference's multiply then add does).
 VS_AVX512 void int4_block_dequant(const uint8_t* w, const uint32_t* sz, int64_t k, uint16_t* dst) {
-  alignas(64) static const uint16_t lut_words[32] = {
-      0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80,
-      0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,
-      0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80,
-      0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0};
   const __m512i lut = _mm512_load_si512(lut_words);
   const __m512i hi_mask = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   for (int64_t g = 0; g < k / GS; ++g) {
