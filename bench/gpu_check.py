@@ -196,7 +196,9 @@ def check_identity(dev: str) -> dict:
     for name, draft, spec in (("draft-twin k=4", twin, SpecConfig("draft", k=4, k_policy="fixed")),
                               ("draft-other k=4", other, SpecConfig("draft", k=4, k_policy="fixed")),
                               ("ngram k=4", None, SpecConfig("ngram", k=4, k_policy="fixed")),
-                              ("draft-other cost", other, SpecConfig("draft", k=6, k_policy="cost"))):
+                              ("draft-other cost", other, SpecConfig("draft", k=6, k_policy="cost")),
+                              ("draft-twin vocab=128", twin, SpecConfig("draft", k=4, k_policy="fixed", draft_vocab=128)),
+                              ("hybrid-twin cost", twin, SpecConfig("hybrid", k=4, k_policy="cost"))):
         out = engine_for(target, draft).generate(ps, params, spec)
         res[name] = {"same_tokens": [r.token_ids for r in out] == plain,
                      "acceptance": round(sum(r.metrics.accepted for r in out) /
@@ -259,7 +261,8 @@ def check_batch(dev: str) -> dict:
     ps = [p[: 20 + 7 * i] for i, p in enumerate(prompts(TINY.vocab_size, 4, 60, seed=4))]
     params = [SamplingParams(max_tokens=20 + 5 * i) for i in range(4)]
     res = {}
-    for name, spec in (("plain", None), ("draft k=3", SpecConfig("draft", k=3, k_policy="fixed"))):
+    for name, spec in (("plain", None), ("draft k=3", SpecConfig("draft", k=3, k_policy="fixed")),
+                       ("draft cost vocab=128", SpecConfig("draft", k=4, k_policy="cost", draft_vocab=128))):
         eng = engine_for(target, other)
         alone = [eng.generate(p, pa, spec)[0].token_ids for p, pa in zip(ps, params, strict=True)]
         batched = BatchEngine(eng, max_batch=4).generate_batch(ps, params, spec)
