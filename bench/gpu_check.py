@@ -197,7 +197,8 @@ def check_identity(dev: str) -> dict:
                               ("draft-other k=4", other, SpecConfig("draft", k=4, k_policy="fixed")),
                               ("ngram k=4", None, SpecConfig("ngram", k=4, k_policy="fixed")),
                               ("draft-other cost", other, SpecConfig("draft", k=6, k_policy="cost")),
-                              ("draft-twin vocab=128", twin, SpecConfig("draft", k=4, k_policy="fixed", draft_vocab=128)),
+                              ("draft-twin vocab=128", twin,
+                               SpecConfig("draft", k=4, k_policy="fixed", draft_vocab=128)),
                               ("hybrid-twin cost", twin, SpecConfig("hybrid", k=4, k_policy="cost"))):
         out = engine_for(target, draft).generate(ps, params, spec)
         res[name] = {"same_tokens": [r.token_ids for r in out] == plain,

@@ -18,7 +18,7 @@ from drafters_common import build_tok_model
 
 from verispec import Engine, EngineConfig, SamplingParams, SpecConfig, VerispecError
 from verispec.engine.batch import BatchEngine
-from verispec.engine.batch_policy import BatchCostModel, BatchPolicy, CostCurve, RowPlan
+from verispec.engine.batch_policy import BatchCostModel, BatchPolicy, CostCurve, RowPlan, monotone_fit
 from verispec.engine.scheduler import Scheduler
 
 # make_tiny's eos_token_id, plus a token the tiny target emits often, so that some requests stop early.
@@ -310,6 +310,17 @@ def test_cost_curve_learns_between_profiled_points_only():
     assert curve.points == {1: 1.125, 5: 2.375}
     curve.observe(5, 2.375 + 1.0)
     assert curve.points[5] == 2.875
+
+
+def test_cost_curve_pools_an_outlier_with_its_neighbours():
+    assert monotone_fit([1.0, 3.0, 1.0, 1.0, 5.0]) == [1.0, 5 / 3, 5 / 3, 5 / 3, 5.0]
+    assert monotone_fit([1.0, 2.0, 3.0]) == [1.0, 2.0, 3.0]
+    # A lone request's verify curve with one slow profile point at 3 tokens (measured on this
+    # host): a running maximum priced every k >= 2 at the spike and the policy drafted 1 token.
+    curve = CostCurve({1: 0.0755, 2: 0.0778, 3: 0.1217, 4: 0.0782, 5: 0.0779, 6: 0.0790}, smoothing=0)
+    assert curve(6) < 0.0905 and curve(2) < curve(3) <= curve(6)
+    policy = BatchPolicy(BatchCostModel(curve, CostCurve({1: 0.0108}, smoothing=0)))
+    assert policy.choose([RowPlan(cap=5, acceptance=0.8)]) == 5
 
 
 def test_profiled_costs_are_monotone(engine):

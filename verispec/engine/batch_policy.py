@@ -30,8 +30,12 @@ from verispec.models.llama import Transformer
 class CostCurve:
     """Seconds of one forward against the tokens it processes: piecewise linear through measured points.
 
-    Beyond the last point the curve extends at the last segment's slope (it never falls), and it
-    is made non-decreasing when read, so a noisy measurement cannot make more work look cheaper.
+    Beyond the last point the curve extends at the last segment's slope (it never falls). It is
+    read through the least-squares non-decreasing fit of the points (isotonic regression), so a
+    noisy measurement cannot make more work look cheaper, and one slow outlier is averaged with
+    its neighbours instead of lifting every larger size to its height (as a running maximum would:
+    one spike at 3 tokens then priced every k >= 2 of a lone request as dear as it, and the policy
+    drafted one token where five paid).
     """
 
     points: dict[int, float]
@@ -39,9 +43,7 @@ class CostCurve:
 
     def __call__(self, tokens: int) -> float:
         xs = sorted(self.points)
-        ys = []
-        for x in xs:  # running max: monotone in tokens
-            ys.append(max(self.points[x], ys[-1] if ys else 0.0))
+        ys = monotone_fit([self.points[x] for x in xs])
         if tokens <= xs[0]:
             return ys[0]
         i = bisect_left(xs, tokens)
@@ -77,6 +79,17 @@ class CostCurve:
         error = seconds - sum(self.points[x] * w for x, w in weights.items())
         for x, w in weights.items():
             self.points[x] += self.smoothing * w * error
+
+
+def monotone_fit(ys: list[float]) -> list[float]:
+    """The non-decreasing sequence closest to ``ys`` in least squares (pool adjacent violators)."""
+    blocks: list[list[float]] = []  # [mean, count]
+    for y in ys:
+        blocks.append([y, 1.0])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (m2, n2), (m1, n1) = blocks.pop(), blocks.pop()
+            blocks.append([(m1 * n1 + m2 * n2) / (n1 + n2), n1 + n2])
+    return [m for m, n in blocks for _ in range(int(n))]
 
 
 @dataclass
@@ -213,12 +226,13 @@ class BatchPolicy:
 
 @torch.inference_mode()
 def profile_costs(target: Transformer, draft: Transformer | None, max_rows: int, k_max: int, context: int = 64,
-                  reps: int = 3) -> BatchCostModel:
+                  reps: int = 5) -> BatchCostModel:
     """Time target forwards of B rows x m tokens (B in powers of two up to ``max_rows``, m in 1..k_max+1).
 
     Each forward attends over a ``context``-token dummy prefix (a real decode step reads its
     context too); a separate small cache is used, so running requests are untouched. The draft
-    curve times one-token lockstep forwards of B rows.
+    curve times one-token lockstep forwards of B rows. Each point is the fastest of ``reps`` runs:
+    noise on a shared host only ever adds time, and a median of a few runs can still catch a spike.
     """
     batch_sizes = sorted({1 << i for i in range(max_rows.bit_length()) if 1 << i <= max_rows} | {max_rows})
     target_pts = _time_grid(target, batch_sizes, range(1, k_max + 2), context, reps)
@@ -247,6 +261,6 @@ def _time_grid(model: Transformer, batch_sizes: list[int], widths: range | tuple
             pos = (context + torch.arange(m, device=device)).expand(b, -1)
             times = seconds_of(lambda tokens=tokens, pos=pos, b=b: model(tokens, pos, cache, rows=slice(0, b)),
                              device, reps)
-            samples.setdefault(b * m, []).append(sorted(times)[reps // 2])
+            samples.setdefault(b * m, []).append(min(times))
     return {t: sum(v) / len(v) for t, v in samples.items()}
 
