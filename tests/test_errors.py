@@ -198,12 +198,24 @@ def test_good_sampling_params_edges():
     pytest.param({"k": 1000}, id="k=1000"),
     pytest.param({"k": 2.0}, id="k-float"),
     pytest.param({"k_policy": "magic"}, id="k_policy"),
+    pytest.param({"confidence": 1.0}, id="confidence=1"),
+    pytest.param({"confidence": -0.1}, id="confidence<0"),
+    pytest.param({"confidence": "high"}, id="confidence-str"),
+    pytest.param({"confidence": True}, id="confidence-bool"),
     pytest.param({"ngram_min": 0}, id="ngram_min=0"),
     pytest.param({"ngram_min": 5, "ngram_max": 3}, id="ngram_min>max"),
 ])
 def test_bad_spec_config(kwargs):
     with pytest.raises(VerispecError):
         SpecConfig(**kwargs)
+
+
+def test_confidence_stop_applies_under_the_policy_that_asks_for_it():
+    assert SpecConfig(k_policy="confidence").min_confidence == 0.3
+    assert SpecConfig(k_policy="confidence", confidence=0.5).min_confidence == 0.5
+    assert SpecConfig(k_policy="cost").min_confidence == 0.0
+    assert SpecConfig(k_policy="cost", confidence=0.4).min_confidence == 0.4
+    assert SpecConfig(k_policy="fixed", confidence=0).min_confidence == 0.0
 
 
 def test_k_range_edges():

@@ -76,6 +76,16 @@ def test_noisy_draft_matches_plain(noisy_engine, plain, k):
     assert 0 < total_acc < total_drafted
 
 
+@pytest.mark.parametrize("policy", ["cost", "fixed"])
+def test_confidence_stop_matches_plain_and_drafts_less(noisy_engine, plain, policy):
+    """A draft stopped where the draft model doubts its token changes how much is drafted, never the output."""
+    free = noisy_engine.generate(PROMPTS, GREEDY, SpecConfig(method="draft", k=6, k_policy="fixed"))
+    stopped = noisy_engine.generate(PROMPTS, GREEDY, SpecConfig(method="draft", k=6, k_policy=policy, confidence=0.9))
+    assert [r.token_ids for r in stopped] == plain
+    per_step = [sum(r.metrics.drafted for r in rs) / sum(r.metrics.steps for r in rs) for rs in (free, stopped)]
+    assert per_step[1] < per_step[0]
+
+
 @pytest.mark.parametrize("k", [1, 3, 8])
 def test_unrelated_draft_matches_plain(unrelated_engine, plain, k):
     results = unrelated_engine.generate(PROMPTS, GREEDY, spec_draft(k))

@@ -55,6 +55,9 @@ def _add_spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--k-policy", default=SpecConfig.k_policy,
                    help="cost (the default: k per step from measured costs and acceptance, 0 where drafting "
                    "does not pay), fixed, heuristic or confidence")
+    p.add_argument("--confidence", type=float, default=None,
+                   help="draft/hybrid/layerskip: stop a draft once the draft's top probability falls below this "
+                   "(default 0.3 under --k-policy confidence, else off)")
     p.add_argument("--datastore", help="retrieval/hybrid: a datastore built by `verispec datastore build`")
     p.add_argument("--layers", type=int, help="layerskip: how many of the target's layers draft (default: a quarter)")
     p.add_argument("--draft-vocab", type=int, default=None,
@@ -67,7 +70,8 @@ def _spec_from(args: argparse.Namespace):
 
     method = args.method or ("draft" if args.draft else "none")
     return SpecConfig(method=method, k=args.k if method != "none" else 0, k_policy=args.k_policy,
-                      datastore=args.datastore, layers=args.layers, draft_vocab=args.draft_vocab)
+                      confidence=args.confidence, datastore=args.datastore, layers=args.layers,
+                      draft_vocab=args.draft_vocab)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

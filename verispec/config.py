@@ -92,6 +92,9 @@ def check_draft_vocab(n: object) -> None:
         raise VerispecError(f"draft vocab must be a positive multiple of 16 (got {n!r}); e.g. vocab=32768")
 
 
+DEFAULT_CONFIDENCE = 0.3  # k_policy "confidence" without a threshold of its own
+
+
 @dataclass(frozen=True)
 class SpecConfig:
     """How to speculate for a request: which drafter proposes and how many tokens per step."""
@@ -99,7 +102,11 @@ class SpecConfig:
     method: str = "draft"
     k: int = 5  # the fixed k, or the largest k an adaptive policy may choose
     k_policy: str = "cost"  # k from measured costs and acceptance; "fixed" drafts spec.k every step
-    confidence: float = 0.3  # k_policy "confidence": the draft model stops below this top probability
+    # The draft model stops drafting once its top probability falls below this (a token it doubts
+    # is likely rejected, and the forwards after it wasted). None: 0.3 under k_policy "confidence",
+    # off under the others; set, it applies under any policy (the cost policy then chooses the most
+    # the draft may propose, and confident drafts run to it).
+    confidence: float | None = None
     ngram_max: int = 4
     ngram_min: int = 1
     datastore: str | None = None  # retrieval: path of a datastore built by `verispec datastore build`
@@ -115,11 +122,20 @@ class SpecConfig:
             raise VerispecError(f"k must be an integer in [0, 64] (got {self.k!r})")
         if self.k_policy not in K_POLICIES:
             raise VerispecError(f"unknown k policy '{self.k_policy}' (choose from {', '.join(K_POLICIES)})")
-        if not 0.0 <= self.confidence < 1.0:
+        if self.confidence is not None and (isinstance(self.confidence, bool) or
+                                            not isinstance(self.confidence, (int, float)) or
+                                            not 0.0 <= self.confidence < 1.0):
             raise VerispecError(f"confidence must be in [0, 1) (got {self.confidence!r})")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise VerispecError("n-gram sizes must satisfy 1 <= ngram_min <= ngram_max")
         check_draft_vocab(self.draft_vocab)
+
+    @property
+    def min_confidence(self) -> float:
+        """The top probability below which the draft model stops drafting (0: never stops early)."""
+        if self.confidence is not None:
+            return float(self.confidence)
+        return DEFAULT_CONFIDENCE if self.k_policy == "confidence" else 0.0
 
     @property
     def enabled(self) -> bool:

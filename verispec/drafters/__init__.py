@@ -37,14 +37,10 @@ def make_drafter(spec: SpecConfig, engine: Engine) -> Drafter:
     if spec.method == "layerskip":
         from verispec.drafters.layerskip import LayerSkipDrafter
 
-        return LayerSkipDrafter(engine.target, engine.cache, spec.layers, _min_confidence(spec))
+        return LayerSkipDrafter(engine.target, engine.cache, spec.layers, spec.min_confidence)
     if spec.method == "hybrid":
         return _make_hybrid(spec, engine)
     raise VerispecError(f"method '{spec.method}' is not available yet")
-
-
-def _min_confidence(spec: SpecConfig) -> float:
-    return spec.confidence if spec.k_policy == "confidence" else 0.0
 
 
 def _model_drafter(spec: SpecConfig, engine: Engine) -> Drafter:
@@ -55,7 +51,7 @@ def _model_drafter(spec: SpecConfig, engine: Engine) -> Drafter:
         # The compiled forward (engine.compiled) has no head argument: it would score the full vocabulary.
         raise VerispecError(f"method '{spec.method}': a reduced draft vocabulary (vocab={spec.draft_vocab}) "
                             "does not work with --compile yet")
-    return ModelDrafter(engine.draft, engine.cache_len, engine.target.args.vocab_size, _min_confidence(spec),
+    return ModelDrafter(engine.draft, engine.cache_len, engine.target.args.vocab_size, spec.min_confidence,
                         spec.draft_vocab, special_token_ids(engine) if spec.draft_vocab is not None else ())
 
 
@@ -88,5 +84,5 @@ def _make_hybrid(spec: SpecConfig, engine: Engine) -> Drafter:
     if engine.draft is not None:
         model = _model_drafter(spec, engine)
     elif spec.layers is not None:
-        model = LayerSkipDrafter(engine.target, engine.cache, spec.layers, _min_confidence(spec))
+        model = LayerSkipDrafter(engine.target, engine.cache, spec.layers, spec.min_confidence)
     return HybridDrafter(NgramDrafter(spec.ngram_max, spec.ngram_min), model, retrieval)

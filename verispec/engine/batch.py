@@ -469,7 +469,7 @@ class BatchEngine:
         if spec.enabled:
             if spec.method == "draft":
                 row.model_draft = True
-                row.min_confidence = spec.confidence if spec.k_policy == "confidence" else 0.0
+                row.min_confidence = spec.min_confidence
                 assert self.draft_model is not None
                 self.draft_model.begin(slot, req.prompt, spec.draft_vocab)
             else:
