@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-docs/benchmarks/$(date +%F)}
-STEPS=${STEPS:-plain humaneval full advise two_process stability concurrency verify_cost kernels int4 draft_cost load compile}
+STEPS=${STEPS:-plain humaneval full advise two_process stability concurrency verify_cost kernels int4 int4_long draft_cost load compile}
 V=.venv/bin/verispec
 PY=.venv/bin/python
 PAIR=(--model qwen2.5-coder-1.5b-instruct --draft qwen2.5-coder-0.5b-instruct --dtype bfloat16 --draft-weights int8)
@@ -50,6 +50,11 @@ for step in $STEPS; do
       $V bench "${INT4_PAIR[@]}" --methods none,draft,draft:k=3,draft:policy=cost,draft:policy=cost,vocab=32768,ngram,hybrid,hybrid:policy=cost,hybrid:policy=cost,vocab=32768,retrieval:datastore="$STORE" \
         --dataset spec_bench,humaneval --per-category 3 --n 10 --seed 0 --max-tokens 64 -k 5 --peers llamacpp \
         --no-progress --out "$OUT/int4" ;;
+    int4_long)    # issue 10: longer answers (256 new tokens, nearer Spec-Bench's protocol, where prefill weighs
+                  # little), the best methods of the int4 step against llama.cpp plain
+      $V bench "${INT4_PAIR[@]}" --methods none,hybrid:policy=cost,vocab=32768,hybrid:policy=cost,vocab=32768,confidence=0.3,hybrid:policy=cost,vocab=32768,confidence=0.3,k=8 \
+        --dataset spec_bench,humaneval --per-category 3 --n 10 --seed 0 --max-tokens 256 -k 5 --peers llamacpp \
+        --peer-methods llamacpp-plain --no-progress --out "$OUT/int4_long" ;;
     draft_cost)   # issue 4: the draft cost ratio c for dense, int8 and int4 drafts (bf16 and int4 targets)
       { $PY bench/draft_cost.py --weights dense --draft-formats dense,int8,int4,int4-all
         $PY bench/draft_cost.py --weights int4 --draft-formats int8,int4,int4-all; } | tee "$OUT/draft_cost.md" ;;

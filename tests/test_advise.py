@@ -53,6 +53,12 @@ def test_cost_policy_probes_after_a_run_of_plain_steps():
     # Drafts dearer than what even perfect acceptance saves: no probing at all.
     policy = CostK(CostModel(draft_s=1.0, verify_s=[0.1] * 6), k_max=5, probe_every=4, probe_k=2)
     assert [policy.choose(5) for _ in range(8)] == [0] * 8
+    # Perfect acceptance would win only 2% (under the 5% a choice needs): a probe could never lead
+    # to speculating, so none runs. 3 tokens / (2 * 0.097 + 0.1) = 10.2 tokens/s vs 10.
+    policy = CostK(CostModel(draft_s=0.097, verify_s=[0.1] * 6), k_max=5, acceptance=Acceptance(prior_a=0.1),
+                   probe_every=4, probe_k=2)
+    assert policy.costs.speed(1.0, 2) > policy.costs.speed(1.0, 0)
+    assert [policy.choose(5) for _ in range(8)] == [0] * 8
 
 
 def test_acceptance_estimate_is_unbiased_for_prefix_acceptance():

@@ -241,6 +241,12 @@ def test_policy_speculates_alone_and_not_when_compute_bound():
     # Even perfect acceptance cannot pay on a linear curve: no probing either.
     linear = BatchPolicy(BatchCostModel(CostCurve({1: 1e-3, 100: 0.1}, smoothing=0)), probe_every=2)
     assert [linear.choose([RowPlan(6, 0.99)] * 4) for _ in range(6)] == [0] * 6
+    # Nor where perfect acceptance would win less than the margin a choice needs (16 rows, k = 2:
+    # 48 tokens per 0.326 s vs 16 per 0.109 s, +0.7%; measured at 16 clients on this host).
+    tie = BatchPolicy(BatchCostModel(CostCurve({16: 0.109, 48: 0.255}, smoothing=0),
+                                     CostCurve({16: 0.0355}, smoothing=0)), probe_every=2)
+    assert tie.goodput([RowPlan(5, 0.1)] * 16, 2, optimistic=True) > tie.goodput([RowPlan(5, 0.1)] * 16, 0)
+    assert [tie.choose([RowPlan(5, 0.1)] * 16) for _ in range(6)] == [0] * 6
     # Fixed-k rows keep their k and widen the step for everyone.
     mixed = [RowPlan(cap=6, acceptance=0.8), RowPlan(cap=6, fixed_k=5)]
     assert policy.goodput(mixed, 0) < policy.goodput([RowPlan(cap=6, acceptance=0.8)] * 2, 0)

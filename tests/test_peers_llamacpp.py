@@ -75,6 +75,14 @@ def test_peers_option_accepts_llamacpp(monkeypatch: pytest.MonkeyPatch) -> None:
         BenchOptions(model="m", peers=["llama"])
 
 
+def test_peer_methods_option() -> None:
+    assert main(["bench", "--model", "m", "--peers", "llamacpp", "--peer-methods", "llamacpp-lookup"]) == 2
+    with pytest.raises(VerispecError, match="unknown peer method 'llamacpp-lookup'"):
+        BenchOptions(model="m", peers=["llamacpp"], peer_methods=["llamacpp-lookup"])
+    with pytest.raises(VerispecError, match="needs --peers hf"):
+        BenchOptions(model="m", peers=["llamacpp"], peer_methods=["hf-plain"])
+
+
 def test_sampling_arguments_match_the_engines() -> None:
     greedy = peers.LlamaCppPeers.sampling(SamplingParams())
     assert greedy["temp"] == 0.0 and greedy["top_k"] == 1
@@ -197,6 +205,10 @@ def test_llamacpp_rows_ratios_and_report(tiny_model: str, prompts: Path, tmp_pat
     md = (out / "report.md").read_text()
     assert "vs llamacpp-plain" in md and "tokens/s ratio to llamacpp-plain **" in md
     assert "2.00 ms for Llama.eval alone" in md and "num_pred_tokens=4" in md
+    # --peer-methods: only the rows asked for run.
+    report = run_bench(_opts(tiny_model, prompts, tmp_path / "one", ["llamacpp"], peer_methods=["llamacpp-plain"]))
+    assert [r["method"] for r in report["summary"] if r["kind"] == "peer"] == ["llamacpp-plain"]
+    assert report["peers"]["best_vs_llamacpp_plain"] > 0
 
 
 # -- the real thing --------------------------------------------------------------------------------

@@ -42,6 +42,7 @@ class BenchOptions:
     top_p: float = 1.0
     top_k: int = 0
     peers: list[str] = field(default_factory=list)
+    peer_methods: list[str] = field(default_factory=list)  # empty: every method of each peer
     lookup_tokens: int = 10
     stability: bool = False
     stability_max_tokens: int = 16
@@ -64,6 +65,11 @@ class BenchOptions:
         unknown = [p for p in self.peers if p not in PEERS]
         if unknown:
             raise VerispecError(f"unknown peer '{unknown[0]}' (choose from {', '.join(PEERS)})")
+        for m in self.peer_methods:
+            if m not in PEER_ROWS:
+                raise VerispecError(f"unknown peer method '{m}' (choose from {', '.join(PEER_ROWS)})")
+            if m.split("-")[0] not in self.peers:
+                raise VerispecError(f"peer method '{m}' needs --peers {m.split('-')[0]}")
         if self.mt_bench_turns not in (1, 2):
             raise VerispecError("--mt-bench-turns must be 1 or 2")
         if self.stability_max_tokens < 1:
@@ -273,6 +279,11 @@ def _run_peers(opts: BenchOptions, engine: Any, runner: Any, items: list[Any], r
             "error": "; ".join(f"{n}: {e}" for n, e in failed.items()) if len(failed) == len(libraries) else None}
 
 
+def _selected(opts: BenchOptions, methods: dict[str, Any]) -> dict[str, Any]:
+    """The peer methods ``--peer-methods`` asks for (all when it names none)."""
+    return {label: gen for label, gen in methods.items() if not opts.peer_methods or label in opts.peer_methods}
+
+
 def _add_peer_records(peer_records: dict[str, Any], records: dict[str, Any], kinds: dict[str, str]) -> None:
     records.update(peer_records)
     kinds.update(dict.fromkeys(peer_records, "peer"))
@@ -288,7 +299,7 @@ def _run_hf_peer(opts: BenchOptions, engine: Any, runner: Any, items: list[Any],
                             "prompt_lookup_num_tokens": opts.lookup_tokens, "error": None}
     peers = HFPeers.load(engine, opts.model, opts.draft, opts.lookup_tokens)
     try:
-        peer_records = runner.run_items(peers.methods(), items, desc="hf peers")
+        peer_records = runner.run_items(_selected(opts, peers.methods()), items, desc="hf peers")
     finally:
         peers.close()
     _add_peer_records(peer_records, records, kinds)
@@ -308,7 +319,7 @@ def _run_llamacpp_peer(opts: BenchOptions, engine: Any, runner: Any, items: list
                             "n_batch": LLAMACPP_BATCH, "use_mmap": False, "num_pred_tokens": opts.lookup_tokens,
                             "max_ngram_size": LLAMACPP_MAX_NGRAM, "error": None}
     try:
-        peer_records = runner.run_items(peers.methods(), items, desc="llama.cpp peers")
+        peer_records = runner.run_items(_selected(opts, peers.methods()), items, desc="llama.cpp peers")
         _add_peer_records(peer_records, records, kinds)
         try:  # a failing probe costs only its own figures
             info.update(peers.decode_costs(prompts[0]))
@@ -377,6 +388,8 @@ def add_parser(sub: Any, add_engine_args: Callable[[argparse.ArgumentParser], No
     b.add_argument("--top-k", type=int, default=0)
     b.add_argument("--peers", default="", help="peer libraries to compare with, comma-separated: hf (transformers), "
                    "llamacpp (llama-cpp-python on the same GGUF; pip install 'verispec[llamacpp]')")
+    b.add_argument("--peer-methods", default="", help="only these peer methods, comma-separated (default: all "
+                   "of each peer): " + ", ".join(PEER_ROWS))
     b.add_argument("--lookup-tokens", type=int, default=10, help="draft tokens per prompt lookup of the peers: "
                    "hf-prompt-lookup's prompt_lookup_num_tokens, llamacpp-prompt-lookup's num_pred_tokens")
     b.add_argument("--stability", action="store_true", help="also run the stability suite")
@@ -395,7 +408,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         per_category=args.per_category, n=args.n, seed=args.seed, prompt_field=args.prompt_field, raw=args.raw,
         max_tokens=args.max_tokens, k=args.k, k_policy=args.k_policy, k_sweep=parse_ints(args.k_sweep),
         repeats=args.repeats, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        peers=[p.strip() for p in args.peers.split(",") if p.strip()], lookup_tokens=args.lookup_tokens,
+        peers=[p.strip() for p in args.peers.split(",") if p.strip()],
+        peer_methods=[p.strip() for p in args.peer_methods.split(",") if p.strip()], lookup_tokens=args.lookup_tokens,
         stability=args.stability, stability_max_tokens=args.stability_max_tokens, mt_bench_turns=args.mt_bench_turns,
         dtype=args.dtype, weights=args.weights, draft_weights=args.draft_weights, max_len=args.max_len,
         compile=args.compile, kernels=args.kernels, out=args.out, progress=not args.no_progress,

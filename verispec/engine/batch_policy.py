@@ -193,7 +193,11 @@ class BatchPolicy:
             if self._plain_streak >= self.probe_every:
                 self._plain_streak = 0
                 probe = min(self.probe_k, max(governed))
-                if probe and self.goodput(plans, probe, span, optimistic=True) > self.goodput(plans, 0, span):
+                # A probe can only show speculation paying if perfect acceptance would clear the same
+                # margin the choice demands; a near-tie (a compute-bound batch) would never turn into a
+                # chosen k, so its probes would be pure cost.
+                if probe and self.goodput(plans, probe, span, optimistic=True) >= \
+                        (1.0 + self.min_gain) * self.goodput(plans, 0, span):
                     # A probe is a cheap look at acceptance: rows whose draft would first have to read
                     # what they generated while plain stay out (such a catch-up is a forward of its own
                     # per row, dearer than what one probe step can learn). New rows still bring the

@@ -211,10 +211,10 @@ class CostK(KPolicy):
             self._plain_streak += 1
             if self._plain_streak >= self.probe_every:
                 self._plain_streak = 0
-                # Only where drafting could pay at all: perfect acceptance beats plain decoding
-                # and wins back what the drafter must read first.
+                # Only where drafting could pay at all: perfect acceptance beats plain decoding by
+                # the margin a choice demands and wins back what the drafter must read first.
                 probe = min(self.probe_k, k_cap)
-                if probe and self.costs.speed(1.0, probe) > self.costs.speed(1.0, 0) and \
+                if probe and self.costs.speed(1.0, probe) >= (1.0 + self.min_gain) * self.costs.speed(1.0, 0) and \
                         self._worth_catching_up(1.0, probe, remaining, catch_up):
                     k = probe
         else:
