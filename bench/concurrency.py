@@ -33,7 +33,8 @@ from verispec.engine.batch import BatchEngine
 from verispec.engine.batch_step import BatchStats
 from verispec.engine.engine import GenerationResult
 
-MODES = ("plain", "fixed", "policy")
+MODES = ("plain", "fixed", "policy", "alone")
+ALONE = "alone"  # the single-request Engine with the cost policy, one request after another (concurrency 1 only)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -75,6 +76,31 @@ def closed_loop(be: BatchEngine, prompts: list[list[int]], clients: int, params:
             "width": dict(sorted(be.stats.width_steps.items()))}
 
 
+def one_at_a_time(engine: Engine, prompts: list[list[int]], params: SamplingParams,
+                  spec: SpecConfig) -> dict[str, Any]:
+    """Serve ``prompts`` one after another through ``Engine.generate``: the single-request speedup that
+    the batching engine at one client should keep."""
+    done: list[tuple[float, GenerationResult]] = []
+    t0 = time.perf_counter()
+    for p in prompts:
+        t = time.perf_counter()
+        result = engine.generate(p, params, spec)[0]
+        done.append((time.perf_counter() - t, result))
+    wall = time.perf_counter() - t0
+    tokens = sum(len(r.token_ids) for _, r in done)
+    latency = [lat for lat, _ in done]
+    steps = sum(r.metrics.steps for _, r in done)
+    k_chosen: dict[int, int] = {}
+    for _, r in done:
+        for k, n in r.metrics.k_chosen.items():
+            k_chosen[k] = k_chosen.get(k, 0) + n
+    return {"requests": len(done), "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
+            "latency_p50_s": percentile(latency, 0.5), "latency_p95_s": percentile(latency, 0.95),
+            "ttft_p50_s": percentile([r.metrics.ttft_s for _, r in done], 0.5),
+            "accepted_per_step": tokens / steps if steps else 0.0, "batch_steps": steps, "mean_rows": 1.0,
+            "policy_k": dict(sorted(k_chosen.items())), "width": {}}
+
+
 def summarize(runs: dict[str, list[dict[str, Any]]], concurrency: int) -> list[dict[str, Any]]:
     """One row per mode: its run of median throughput, with every run's tokens/s and the ratios to
     plain decoding's run of the same repeat (paired, so a drift of the host cancels out; a mode run
@@ -97,7 +123,7 @@ def markdown(rows: list[dict[str, Any]], header: str) -> str:
             "p50 TTFT s | tokens/step | k chosen (k: steps) |\n|---:|---|---:|---:|---:|---:|---:|---:|---:|---|\n")
     lines = []
     for r in rows:
-        ks = ", ".join(f"{k}: {n}" for k, n in r["policy_k"].items()) if r["mode"] == "policy" else \
+        ks = ", ".join(f"{k}: {n}" for k, n in r["policy_k"].items()) if r["mode"] in ("policy", ALONE) else \
             ", ".join(f"{w - 1}: {n}" for w, n in r["width"].items())
         ratios = r.get("vs_plain_runs", [])
         spread = f" ({min(ratios):.2f}-{max(ratios):.2f})" if len(ratios) > 1 and r["mode"] != "plain" else ""
@@ -151,7 +177,9 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=32, help="requests per run (at least 2x the concurrency)")
     ap.add_argument("--spec-bench", type=Path, default=None, help=f"question.jsonl (default {default_spec_bench()})")
     ap.add_argument("--seed", type=int, default=0, help="which Spec-Bench prompts (shuffled with this seed)")
-    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--modes", default=",".join(MODES),
+                    help=f"any of {', '.join(MODES)} ({ALONE}: Engine.generate with the cost policy, one request "
+                    "at a time; run at concurrency 1 only)")
     ap.add_argument("--repeats", type=int, default=1,
                     help="runs per concurrency and mode, modes alternating; medians are reported (a shared host "
                          "drifts by several percent between runs)")
@@ -186,18 +214,24 @@ def main() -> None:
         ap.error(f"no Spec-Bench prompt fits a context of {be.max_len} with {args.max_tokens} new tokens")
     specs = {"plain": PLAIN, "fixed": SpecConfig(method=args.method, k=args.k, k_policy="fixed"),
              "policy": SpecConfig(method=args.method, k=args.k, k_policy="cost")}
+    specs[ALONE] = specs["policy"]
     costs = be.profile(k_max=args.k)
-    for mode in modes:  # warm-up: kernels, allocator, drafters
-        closed_loop(be, prompts[: max(levels)], max(levels), SamplingParams(max_tokens=8), specs[mode])
+    for mode in modes:  # warm-up: kernels, allocator, drafters (the single-request engine profiles its costs)
+        if mode == ALONE:
+            one_at_a_time(engine, prompts[:1], SamplingParams(max_tokens=8), specs[mode])
+        else:
+            closed_loop(be, prompts[: max(levels)], max(levels), SamplingParams(max_tokens=8), specs[mode])
 
     rows = []
     for c in levels:
-        runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
+        here = [m for m in modes if m != ALONE or c == 1]
+        runs: dict[str, list[dict[str, Any]]] = {m: [] for m in here}
         for rep in range(args.repeats):
-            for mode in modes:  # alternating, so a slow spell of the host hits every mode alike
+            for mode in here:  # alternating, so a slow spell of the host hits every mode alike
                 if rep and mode in once:
                     continue
-                r = closed_loop(be, prompts, c, params, specs[mode])
+                r = one_at_a_time(engine, prompts, params, specs[mode]) if mode == ALONE else \
+                    closed_loop(be, prompts, c, params, specs[mode])
                 runs[mode].append(r)
                 print(f"C={c:3d} {mode:7s} run {rep + 1}/{args.repeats} {r['tokens_per_s']:8.1f} tok/s  "
                       f"p50 {r['latency_p50_s']:.2f}s  p95 {r['latency_p95_s']:.2f}s  k {r['policy_k'] or r['width']}",
@@ -213,7 +247,9 @@ def main() -> None:
         weights += f", draft {args.draft_weights}"
     title = f"{Path(args.model).name} + {args.method} ({weights}), {args.max_tokens} tokens, {where}"
     header = (f"# Concurrency sweep\n\n{title}, {info['date']}. {len(prompts)} Spec-Bench prompts per run, "
-              f"closed loop, greedy; fixed k = {args.k}; policy = concurrency-aware cost policy (k <= {args.k}).")
+              f"closed loop, greedy; fixed k = {args.k}; policy = concurrency-aware cost policy (k <= {args.k})"
+              + (f"; {ALONE} = the single-request engine with the cost policy, one request at a time." if ALONE in modes
+                 else "."))
     if args.repeats > 1:
         header += (f" {args.repeats} runs per concurrency and mode, modes alternating: each row is the run of "
                    "median throughput; vs plain is the median of the per-repeat ratios (range in brackets).")
@@ -223,7 +259,7 @@ def main() -> None:
         {"machine": info, "args": {k: str(v) for k, v in vars(args).items()}, "rows": rows,
          "profiled_target_s": costs.target.points, "profiled_draft_s": costs.draft.points if costs.draft else None,
          "mean_tokens_per_s": {m: statistics.mean(r["tokens_per_s"] for r in rows if r["mode"] == m)
-                               for m in modes}}, indent=2))
+                               for m in modes if any(r["mode"] == m for r in rows)}}, indent=2))
     plot(rows, args.out / "concurrency.png", title)
     print(markdown(rows, header))
     print(f"wrote {args.out}/concurrency.md, concurrency.json and concurrency.png")

@@ -25,8 +25,11 @@ def test_repeats_report_medians_and_paired_ratios(tmp_path, qwen2_tiny, qwen2_no
         pytest.fail("Spec-Bench prompts missing: " + r.stderr[-500:])
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     rows = json.loads((out / "concurrency.json").read_text())["rows"]
+    # The single-request engine ("alone") runs at one client only.
     assert [(x["concurrency"], x["mode"]) for x in rows] == [
-        (c, m) for c in (1, 2) for m in ("plain", "fixed", "policy")]
+        (1, "plain"), (1, "fixed"), (1, "policy"), (1, "alone"), (2, "plain"), (2, "fixed"), (2, "policy")]
+    alone = rows[3]
+    assert alone["requests"] == 4 and alone["tokens"] > 0 and alone["policy_k"]
     for x in rows:
         runs = x["runs_tokens_per_s"]
         assert len(runs) == (1 if x["mode"] == "fixed" else 2)
