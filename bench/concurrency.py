@@ -32,9 +32,10 @@ from verispec.config import PLAIN
 from verispec.engine.batch import BatchEngine
 from verispec.engine.batch_step import BatchStats
 from verispec.engine.engine import GenerationResult
+from verispec.engine.metrics import Metrics
 
-MODES = ("plain", "fixed", "policy", "alone")
 ALONE = "alone"  # the single-request Engine with the cost policy, one request after another (concurrency 1 only)
+MODES = ("plain", "fixed", "policy", ALONE)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -64,41 +65,39 @@ def closed_loop(be: BatchEngine, prompts: list[list[int]], clients: int, params:
             inflight.remove(h)
             done.append((h, h.result()))
     wall = time.perf_counter() - t0
-    tokens = sum(len(r.token_ids) for _, r in done)
     latency = [h.finished_at - h.submitted_at for h, _ in done]
     ttft = [h.first_token_at - h.submitted_at for h, _ in done if h.first_token_at is not None]
-    steps = sum(r.metrics.steps for _, r in done)
-    return {"requests": len(done), "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
+    return figures([r for _, r in done], wall, latency, ttft) | {
+        "batch_steps": be.stats.steps, "mean_rows": be.stats.summary()["mean_rows"],
+        "policy_k": dict(sorted(be.stats.policy_k.items())), "width": dict(sorted(be.stats.width_steps.items()))}
+
+
+def figures(results: list[GenerationResult], wall: float, latency: list[float], ttft: list[float]) -> dict[str, Any]:
+    """Throughput and latency figures of one run, however it was served."""
+    tokens = sum(len(r.token_ids) for r in results)
+    steps = sum(r.metrics.steps for r in results)
+    return {"requests": len(results), "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
             "latency_p50_s": percentile(latency, 0.5), "latency_p95_s": percentile(latency, 0.95),
-            "ttft_p50_s": percentile(ttft, 0.5), "accepted_per_step": tokens / steps if steps else 0.0,
-            "batch_steps": be.stats.steps, "mean_rows": be.stats.summary()["mean_rows"],
-            "policy_k": dict(sorted(be.stats.policy_k.items())),
-            "width": dict(sorted(be.stats.width_steps.items()))}
+            "ttft_p50_s": percentile(ttft, 0.5), "accepted_per_step": tokens / steps if steps else 0.0}
 
 
 def one_at_a_time(engine: Engine, prompts: list[list[int]], params: SamplingParams,
                   spec: SpecConfig) -> dict[str, Any]:
     """Serve ``prompts`` one after another through ``Engine.generate``: the single-request speedup that
     the batching engine at one client should keep."""
-    done: list[tuple[float, GenerationResult]] = []
+    results: list[GenerationResult] = []
+    latency = []
     t0 = time.perf_counter()
     for p in prompts:
         t = time.perf_counter()
-        result = engine.generate(p, params, spec)[0]
-        done.append((time.perf_counter() - t, result))
+        results.append(engine.generate(p, params, spec)[0])
+        latency.append(time.perf_counter() - t)
     wall = time.perf_counter() - t0
-    tokens = sum(len(r.token_ids) for _, r in done)
-    latency = [lat for lat, _ in done]
-    steps = sum(r.metrics.steps for _, r in done)
-    k_chosen: dict[int, int] = {}
-    for _, r in done:
-        for k, n in r.metrics.k_chosen.items():
-            k_chosen[k] = k_chosen.get(k, 0) + n
-    return {"requests": len(done), "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
-            "latency_p50_s": percentile(latency, 0.5), "latency_p95_s": percentile(latency, 0.95),
-            "ttft_p50_s": percentile([r.metrics.ttft_s for _, r in done], 0.5),
-            "accepted_per_step": tokens / steps if steps else 0.0, "batch_steps": steps, "mean_rows": 1.0,
-            "policy_k": dict(sorted(k_chosen.items())), "width": {}}
+    total = Metrics()
+    for r in results:
+        total.merge(r.metrics)
+    return figures(results, wall, latency, [r.metrics.ttft_s for r in results]) | {
+        "batch_steps": total.steps, "mean_rows": 1.0, "policy_k": dict(sorted(total.k_chosen.items())), "width": {}}
 
 
 def summarize(runs: dict[str, list[dict[str, Any]]], concurrency: int) -> list[dict[str, Any]]:

@@ -83,13 +83,13 @@ class CostCurve:
 
 def monotone_fit(ys: list[float]) -> list[float]:
     """The non-decreasing sequence closest to ``ys`` in least squares (pool adjacent violators)."""
-    blocks: list[list[float]] = []  # [mean, count]
+    blocks: list[tuple[float, int]] = []  # (mean, count) of pooled runs
     for y in ys:
-        blocks.append([y, 1.0])
+        blocks.append((y, 1))
         while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
             (m2, n2), (m1, n1) = blocks.pop(), blocks.pop()
-            blocks.append([(m1 * n1 + m2 * n2) / (n1 + n2), n1 + n2])
-    return [m for m, n in blocks for _ in range(int(n))]
+            blocks.append(((m1 * n1 + m2 * n2) / (n1 + n2), n1 + n2))
+    return [m for m, n in blocks for _ in range(n)]
 
 
 @dataclass
