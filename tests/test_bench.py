@@ -160,6 +160,13 @@ def test_jsonl_and_spec_bench_datasets(tmp_path: Path) -> None:
     sample = datasets.spec_bench(sb, per_category=1, seed=3)
     assert sorted(p.category for p in sample) == ["mt_bench", "qa"]
     assert sample == datasets.spec_bench(sb, per_category=1, seed=3)
+    # A category asked for alone gets the prompts a run of every category samples for it.
+    for seed in range(6):
+        every = datasets.spec_bench(sb, per_category=1, seed=seed)
+        assert datasets.load("spec_bench", sb, per_category=1, seed=seed, categories=["qa"]) == \
+            [p for p in every if p.category == "qa"]
+    with pytest.raises(VerispecError, match="unknown Spec-Bench categories rug"):
+        datasets.spec_bench(sb, categories=["qa", "rug"])
 
 
 # -- stability ---------------------------------------------------------------------------------------
@@ -279,7 +286,8 @@ def test_cli_spec_bench_two_turns_sampled(pair: tuple[str, str], tmp_path: Path)
     sb = _spec_bench_file(tmp_path / "question.jsonl")
     out = tmp_path / "out"
     rc = main(["bench", "--model", pair[0], "--draft", pair[1], "--methods", "draft:k=3", "--dataset", "spec_bench",
-               "--spec-bench", str(sb), "--per-category", "2", "--mt-bench-turns", "2", "--max-tokens", "8",
+               "--spec-bench", str(sb), "--per-category", "2", "--categories", "mt_bench,qa", "--mt-bench-turns", "2",
+               "--max-tokens", "8",
                "--temperature", "0.8", "--top-p", "0.9", "--dtype", "float32", "--max-len", str(MAX_LEN),
                "--out", str(out), "--no-progress", "--no-plots"])
     assert rc == 0
@@ -318,5 +326,7 @@ def test_cli_refuses_bad_settings_before_loading(pair: tuple[str, str], tmp_path
     assert main([*base, "--methods", "draft:k=banana"]) == 2
     assert main([*base, "--peers", "vllm"]) == 2
     assert main([*base, "--repeats", "0"]) == 2
+    sb = _spec_bench_file(tmp_path / "question.jsonl")
+    assert main([*base[:-4], "--dataset", "spec_bench", "--spec-bench", str(sb), "--categories", "qa,rug"]) == 2
     err = capsys.readouterr().err
-    assert "k must be int" in err and "unknown peer" in err
+    assert "k must be int" in err and "unknown peer" in err and "unknown Spec-Bench categories rug" in err

@@ -103,11 +103,16 @@ def test_speculative_greedy_equals_plain_on_real_pair(pair: Engine) -> None:
     params = SamplingParams(max_tokens=32)
     texts = [p.text for p in prompts]
     plain = pair.generate(texts, params, chat=True)
-    for spec in (SpecConfig(k_policy="fixed", method="draft", k=4), SpecConfig(k_policy="fixed", method="ngram", k=4)):
+    # The window (64 tokens) cuts the summarization and RAG prompts the draft reads.
+    for spec in (SpecConfig(k_policy="fixed", method="draft", k=4), SpecConfig(k_policy="fixed", method="ngram", k=4),
+                 SpecConfig(k_policy="fixed", method="draft", k=4, draft_window=64)):
         spec_out = pair.generate(texts, params, spec, chat=True)
         for p, a, b in zip(prompts, plain, spec_out, strict=True):
             assert a.token_ids == b.token_ids, f"{spec.method} diverged on {p.category} prompt {p.id}"
         total = sum(r.metrics.accepted for r in spec_out)
+        if spec.draft_window is not None:
+            lengths = [len(pair.encode(t, chat=True)) for t in texts]
+            assert max(lengths) > 2 * spec.draft_window, "no prompt long enough to cut"
         if spec.method == "draft":
             assert total > 0, "the same-family draft should get some tokens accepted"
             steps = sum(r.metrics.steps for r in spec_out)

@@ -63,6 +63,9 @@ def _add_spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-vocab", type=int, default=None,
                    help="draft/hybrid: the draft model scores only its first N token ids (a multiple of 16, e.g. "
                    "32768) plus special tokens and the prompt's: a cheaper draft token, still lossless")
+    p.add_argument("--draft-window", type=int, default=None,
+                   help="draft/hybrid: the draft model reads only the first 4 and the last N tokens of a longer "
+                   "prompt: a cheaper first draft on long prompts (e.g. 256), still lossless")
 
 
 def _spec_from(args: argparse.Namespace):
@@ -71,7 +74,7 @@ def _spec_from(args: argparse.Namespace):
     method = args.method or ("draft" if args.draft else "none")
     return SpecConfig(method=method, k=args.k if method != "none" else 0, k_policy=args.k_policy,
                       confidence=args.confidence, datastore=args.datastore, layers=args.layers,
-                      draft_vocab=args.draft_vocab)
+                      draft_vocab=args.draft_vocab, draft_window=args.draft_window)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

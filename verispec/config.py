@@ -92,6 +92,12 @@ def check_draft_vocab(n: object) -> None:
         raise VerispecError(f"draft vocab must be a positive multiple of 16 (got {n!r}); e.g. vocab=32768")
 
 
+def check_draft_window(n: object) -> None:
+    """Raise :class:`VerispecError` unless ``n`` (prompt tokens a draft model reads) is None or a positive integer."""
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n <= 0):
+        raise VerispecError(f"draft window must be a positive number of tokens (got {n!r}); e.g. window=256")
+
+
 DEFAULT_CONFIDENCE = 0.3  # k_policy "confidence" without a threshold of its own
 
 
@@ -114,6 +120,9 @@ class SpecConfig:
     # draft/hybrid: the draft model scores only its first draft_vocab ids plus special tokens and the prompt's
     # ids (verispec.drafters.vocab); None: its full head. Other drafters ignore it.
     draft_vocab: int | None = None
+    # draft/hybrid: the draft model reads only the first few and the last draft_window tokens of a longer
+    # prompt (verispec.drafters.window): a cheaper first draft on long prompts. None: the whole prompt.
+    draft_window: int | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -129,6 +138,7 @@ class SpecConfig:
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise VerispecError("n-gram sizes must satisfy 1 <= ngram_min <= ngram_max")
         check_draft_vocab(self.draft_vocab)
+        check_draft_window(self.draft_window)
 
     @property
     def min_confidence(self) -> float:

@@ -29,6 +29,7 @@ class BenchOptions:
     dataset: str = "spec_bench"
     spec_bench: str | None = None
     per_category: int | None = None
+    categories: list[str] = field(default_factory=list)  # Spec-Bench categories to keep (empty: all)
     n: int | None = None
     seed: int = 0
     prompt_field: str = "prompt"
@@ -95,7 +96,8 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
     params = SamplingParams(max_tokens=opts.max_tokens, temperature=opts.temperature, top_p=opts.top_p,
                             top_k=opts.top_k)
     prompts = datasets.load(opts.dataset, Path(opts.spec_bench) if opts.spec_bench else None, opts.per_category,
-                            opts.n, opts.seed, opts.mt_bench_turns, opts.prompt_field, not opts.raw)
+                            opts.n, opts.seed, opts.mt_bench_turns, opts.prompt_field, not opts.raw,
+                            opts.categories)
     out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
     peer_errors = _check_peers(opts)  # a peer that cannot run is reported now, and the run goes on without it
@@ -371,6 +373,8 @@ def add_parser(sub: Any, add_engine_args: Callable[[argparse.ArgumentParser], No
     b.add_argument("--spec-bench", help="Spec-Bench question.jsonl (default: $VERISPEC_SPEC_BENCH or "
                    "../shared/data/spec_bench/question.jsonl)")
     b.add_argument("--per-category", type=int, help="Spec-Bench prompts sampled per category (default: all)")
+    b.add_argument("--categories", default="", help="Spec-Bench categories to run, comma-separated, e.g. rag,qa "
+                   "(default: all; the same prompts as a run of all of them)")
     b.add_argument("--n", type=int, help="first N prompts of HumanEval or a JSONL file (default: all)")
     b.add_argument("--seed", type=int, default=0, help="seed of the per-category sample (and of sampled decoding)")
     b.add_argument("--prompt-field", default="prompt", help="JSONL field holding the prompt")
@@ -405,14 +409,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     opts = BenchOptions(
         model=args.model, draft=args.draft, methods=args.methods, dataset=args.dataset, spec_bench=args.spec_bench,
-        per_category=args.per_category, n=args.n, seed=args.seed, prompt_field=args.prompt_field, raw=args.raw,
-        max_tokens=args.max_tokens, k=args.k, k_policy=args.k_policy, k_sweep=parse_ints(args.k_sweep),
-        repeats=args.repeats, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        peers=[p.strip() for p in args.peers.split(",") if p.strip()],
-        peer_methods=[p.strip() for p in args.peer_methods.split(",") if p.strip()], lookup_tokens=args.lookup_tokens,
-        stability=args.stability, stability_max_tokens=args.stability_max_tokens, mt_bench_turns=args.mt_bench_turns,
-        dtype=args.dtype, weights=args.weights, draft_weights=args.draft_weights, max_len=args.max_len,
-        compile=args.compile, kernels=args.kernels, out=args.out, progress=not args.no_progress,
+        per_category=args.per_category, categories=_csv(args.categories), n=args.n, seed=args.seed,
+        prompt_field=args.prompt_field, raw=args.raw, max_tokens=args.max_tokens, k=args.k, k_policy=args.k_policy,
+        k_sweep=parse_ints(args.k_sweep), repeats=args.repeats, temperature=args.temperature, top_p=args.top_p,
+        top_k=args.top_k, peers=_csv(args.peers), peer_methods=_csv(args.peer_methods),
+        lookup_tokens=args.lookup_tokens, stability=args.stability, stability_max_tokens=args.stability_max_tokens,
+        mt_bench_turns=args.mt_bench_turns, dtype=args.dtype, weights=args.weights, draft_weights=args.draft_weights,
+        max_len=args.max_len, compile=args.compile, kernels=args.kernels, out=args.out, progress=not args.no_progress,
         plots=not args.no_plots)
     run_bench(opts)
     return 0
+
+
+def _csv(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]

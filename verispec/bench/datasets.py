@@ -84,9 +84,15 @@ def spec_bench(path: Path | None = None, per_category: int | None = None, seed: 
         followups = tuple(r["turns"][1:turns]) if mt else ()
         prompts.append(BenchPrompt(str(r["question_id"]), "mt_bench" if mt else r["category"], r["turns"][0], True,
                                    followups))
+    # Sample first, then filter: a category's sample is the same whichever others are asked for.
+    sampled = _sample_per_category(prompts, per_category, seed)
     if categories:
-        prompts = [p for p in prompts if p.category in categories]
-    return _sample_per_category(prompts, per_category, seed)
+        unknown = sorted(set(categories) - {p.category for p in prompts})
+        if unknown:
+            known = ", ".join(dict.fromkeys(p.category for p in prompts))
+            raise VerispecError(f"unknown Spec-Bench categories {', '.join(unknown)} (choose from {known})")
+        sampled = [p for p in sampled if p.category in categories]
+    return sampled
 
 
 def humaneval(n: int | None = None) -> list[BenchPrompt]:
@@ -118,15 +124,17 @@ def jsonl(path: Path, field: str = "prompt", chat: bool = True, n: int | None = 
 
 
 def load(names: str, spec_bench_path: Path | None = None, per_category: int | None = None, n: int | None = None,
-         seed: int = 0, turns: int = 1, field: str = "prompt", chat: bool = True) -> list[BenchPrompt]:
+         seed: int = 0, turns: int = 1, field: str = "prompt", chat: bool = True,
+         categories: list[str] | None = None) -> list[BenchPrompt]:
     """Prompts of one or more comma-separated datasets: ``spec_bench``, ``humaneval``, ``jsonl:PATH``.
 
-    ``per_category`` samples Spec-Bench; ``n`` takes the first ``n`` HumanEval or JSONL prompts.
+    ``per_category`` samples Spec-Bench and ``categories`` keeps only those of its categories (the
+    same prompts a run of every category samples); ``n`` takes the first ``n`` HumanEval or JSONL prompts.
     """
     prompts: list[BenchPrompt] = []
     for name in filter(None, (x.strip() for x in names.split(","))):
         if name in ("spec_bench", "spec-bench"):
-            prompts += spec_bench(spec_bench_path, per_category, seed, turns=turns)
+            prompts += spec_bench(spec_bench_path, per_category, seed, categories, turns)
         elif name == "humaneval":
             prompts += humaneval(n)
         elif name.startswith("jsonl:"):

@@ -1,7 +1,8 @@
 """Method strings of the harness: ``name[:key=value,...]`` parsed into a labelled :class:`SpecConfig`.
 
 Examples: ``none``, ``draft``, ``draft:k=3``, ``draft:policy=cost``, ``layerskip:layers=7``,
-``retrieval:datastore=store.vds``, ``ngram:k=8,max=5``, ``draft:vocab=32768`` (a reduced draft head).
+``retrieval:datastore=store.vds``, ``ngram:k=8,max=5``, ``draft:vocab=32768`` (a reduced draft head),
+``hybrid:window=256`` (the draft reads a long prompt's last 256 tokens).
 The label of a method is the string itself, so tables and plots show exactly what was asked for.
 """
 
@@ -30,6 +31,8 @@ OPTIONS: dict[str, tuple[str, type]] = {
     "layers": ("layers", int),
     "vocab": ("draft_vocab", int),
     "draft_vocab": ("draft_vocab", int),
+    "window": ("draft_window", int),
+    "draft_window": ("draft_window", int),
 }
 
 

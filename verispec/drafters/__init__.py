@@ -18,9 +18,9 @@ __all__ = ["Drafter", "Proposal", "make_drafter"]
 def make_drafter(spec: SpecConfig, engine: Engine) -> Drafter:
     """Build the drafter ``spec.method`` names, for ``engine``'s target (and draft model).
 
-    ``spec.draft_vocab`` reduces the draft model's head (methods ``draft`` and ``hybrid`` with a draft
-    model); drafters without a draft model ignore it, so a server's default spec carrying it still
-    serves requests that ask for ``ngram``.
+    ``spec.draft_vocab`` reduces the draft model's head and ``spec.draft_window`` the prompt it reads
+    (methods ``draft`` and ``hybrid`` with a draft model); drafters without a draft model ignore
+    them, so a server's default spec carrying them still serves requests that ask for ``ngram``.
     """
     if spec.method == "draft":
         if engine.draft is None:
@@ -52,7 +52,8 @@ def _model_drafter(spec: SpecConfig, engine: Engine) -> Drafter:
         raise VerispecError(f"method '{spec.method}': a reduced draft vocabulary (vocab={spec.draft_vocab}) "
                             "does not work with --compile yet")
     return ModelDrafter(engine.draft, engine.cache_len, engine.target.args.vocab_size, spec.min_confidence,
-                        spec.draft_vocab, special_token_ids(engine) if spec.draft_vocab is not None else ())
+                        spec.draft_vocab, special_token_ids(engine) if spec.draft_vocab is not None else (),
+                        spec.draft_window)
 
 
 def _open_datastore(spec: SpecConfig, engine: Engine) -> Datastore:

@@ -471,7 +471,7 @@ class BatchEngine:
                 row.model_draft = True
                 row.min_confidence = spec.min_confidence
                 assert self.draft_model is not None
-                self.draft_model.begin(slot, req.prompt, spec.draft_vocab)
+                self.draft_model.begin(slot, req.prompt, spec.draft_vocab, spec.draft_window)
             else:
                 row.drafter = self._drafters.acquire(spec)
                 row.drafter.begin(req.prompt)

@@ -30,8 +30,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from verispec.config import check_draft_window
 from verispec.drafters.base import Proposal
 from verispec.drafters.vocab import DraftVocab, SubsetHead, check_draft_vocab
+from verispec.drafters.window import DraftWindow
 from verispec.engine.metrics import sync
 from verispec.models.llama import Transformer
 from verispec.sampling import SamplingParams, probs_from_logits, sample
@@ -79,11 +81,16 @@ class BatchDraftModel:
         self._head_key: tuple | None = None
         self._head: SubsetHead | None = None
         self.reduced_forwards = 0  # lockstep forwards that ran a reduced head
+        self._views: dict[int, DraftWindow] = {}  # per slot: the part of its sequence the draft reads
 
-    def begin(self, slot: int, prompt: list[int] | None = None, draft_vocab: int | None = None) -> None:
-        """A new sequence takes ``slot``; ``draft_vocab`` drafts it with a reduced head (its prompt's ids included)."""
+    def begin(self, slot: int, prompt: list[int] | None = None, draft_vocab: int | None = None,
+              window: int | None = None) -> None:
+        """A new sequence takes ``slot``; ``draft_vocab`` drafts it with a reduced head (its prompt's ids
+        included), ``window`` reads only the ends of a long prompt (:mod:`verispec.drafters.window`)."""
         self.cache.reset(slot)
         self._local_gens.pop(slot, None)
+        check_draft_window(window)
+        self._views[slot] = DraftWindow.for_prompt(len(prompt or ()), window)
         self._epoch[slot] = self._epoch.get(slot, 0) + 1
         check_draft_vocab(draft_vocab)
         if draft_vocab is None or draft_vocab >= self.model.args.vocab_size:
@@ -125,12 +132,16 @@ class BatchDraftModel:
 
     def catch_up_needed(self, slot: int, seq: list[int]) -> int:
         """Tokens of ``seq`` the row in ``slot`` must read alone before drafting (0: it keeps up in lockstep)."""
+        seq = self._view(slot).view(seq)
         lag = len(seq) - min(self.cache.lengths[slot], len(seq) - 1)
         return lag - 1 if lag > MAX_LOCKSTEP_FEED else 0
 
     def commit(self, slot: int, n_valid: int) -> None:
         """The first ``n_valid`` tokens of ``slot``'s sequence are final."""
-        self.cache.lengths[slot] = min(self.cache.lengths[slot], n_valid)
+        self.cache.lengths[slot] = min(self.cache.lengths[slot], self._view(slot).draft_len(n_valid))
+
+    def _view(self, slot: int) -> DraftWindow:
+        return self._views.get(slot) or DraftWindow()
 
     @torch.inference_mode()
     def propose(self, rows: list[DraftRow]) -> list[Proposal]:
@@ -145,11 +156,12 @@ class BatchDraftModel:
                 continue
             if not r.params.greedy:
                 r.generator = self._generator(r.slot, r.generator)
-            start = min(lengths[r.slot], len(r.seq) - 1)
+            seq = self._view(r.slot).view(r.seq)
+            start = min(lengths[r.slot], len(seq) - 1)
             lengths[r.slot] = start
-            if len(r.seq) - start > MAX_LOCKSTEP_FEED:
+            if len(seq) - start > MAX_LOCKSTEP_FEED:
                 # A long lag: catch up alone (prefill-like, logits of the last position only).
-                lag = r.seq[start:-1]
+                lag = seq[start:-1]
                 pos = torch.arange(start, start + len(lag), device=device).unsqueeze(0)
                 sync(device)
                 t0 = time.perf_counter()
@@ -159,8 +171,8 @@ class BatchDraftModel:
                 self.catch_up_s += time.perf_counter() - t0
                 self.catch_up_tokens += len(lag)
                 self.catch_ups += 1
-                start = lengths[r.slot] = len(r.seq) - 1
-            feeds[r.slot] = r.seq[start:]
+                start = lengths[r.slot] = len(seq) - 1
+            feeds[r.slot] = seq[start:]
         active = [r for r in rows if r.k > 0]
         while active:
             lo, hi = min(r.slot for r in active), max(r.slot for r in active) + 1

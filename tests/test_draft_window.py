@@ -1,0 +1,169 @@
+"""A draft window (``window=N``): the draft model reads a long prompt's first 4 and last N tokens.
+
+The view is exact bookkeeping (which tokens, which cache lengths); a windowed drafter drafts
+exactly what an unwindowed one drafts for the view; speculation with it stays lossless (greedy
+token for token alone and batched, sampling by chi-square); the k policy is charged only the
+window's catch-up; bad values are VerispecErrors.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from drafters_common import GREEDY, PROMPTS, chi_square_p, exact_first_two, make_engine, sampled_first_two
+from tiny import make_tiny
+
+from verispec import SamplingParams, SpecConfig, VerispecError
+from verispec.bench.methods import parse_method
+from verispec.drafters.hybrid import HybridDrafter
+from verispec.drafters.model import ModelDrafter
+from verispec.drafters.window import SINK_TOKENS, DraftWindow
+from verispec.engine.batch import BatchEngine
+from verispec.engine.batch_draft import BatchDraftModel, DraftRow
+from verispec.models.loader import build_model, open_source
+
+W = 8
+# 40- and 30-token prompts (longer than the window plus the sink) with repeats, and the short shared ones.
+LONG = [(7 * i) % 50 + 2 for i in range(40)]
+LONGER = [(11 * i) % 60 + 2 for i in range(30)]
+WINDOW_PROMPTS = [LONG, LONGER, *PROMPTS]
+
+
+def test_the_view_keeps_the_sink_and_the_window():
+    assert DraftWindow.for_prompt(40, None) == DraftWindow()
+    assert DraftWindow.for_prompt(W + SINK_TOKENS, W) == DraftWindow()  # short enough: read it all
+    win = DraftWindow.for_prompt(40, W)
+    assert (win.sink, win.skip) == (SINK_TOKENS, 40 - W - SINK_TOKENS)
+    seq = list(range(45))  # the prompt and 5 generated tokens
+    assert win.view(seq) == [0, 1, 2, 3, *range(32, 45)]
+    assert win.draft_len(40) == SINK_TOKENS + W and win.draft_len(45) == SINK_TOKENS + W + 5
+    assert win.draft_len(2) == 2 and win.draft_len(20) == SINK_TOKENS  # inside the sink, inside the skipped part
+    assert DraftWindow().view(seq) is seq and DraftWindow().draft_len(45) == 45
+
+
+@pytest.fixture(scope="module")
+def engine(qwen2_tiny, qwen2_noisy_draft_tiny):
+    return make_engine(qwen2_tiny.model, qwen2_noisy_draft_tiny.model)
+
+
+@pytest.fixture(scope="module")
+def plain(engine):
+    return [r.token_ids for r in engine.generate(WINDOW_PROMPTS, GREEDY)]
+
+
+def _model_drafter(drafter) -> ModelDrafter:
+    model = drafter.model if isinstance(drafter, HybridDrafter) else drafter
+    assert isinstance(model, ModelDrafter)
+    return model
+
+
+@torch.inference_mode()
+def test_a_windowed_drafter_drafts_what_it_would_for_the_view(engine):
+    vocab = engine.target.args.vocab_size
+    windowed = ModelDrafter(engine.draft, 128, vocab, window=W)
+    whole = ModelDrafter(engine.draft, 128, vocab)
+    windowed.begin(LONG)
+    view = windowed.view.view(LONG)
+    assert len(view) == SINK_TOKENS + W
+    assert windowed.catch_up_tokens(LONG) == len(view) - 1  # what a k policy is charged, not len(LONG) - 1
+    whole.begin(view)
+    first = windowed.propose(LONG, 4, GREEDY, None).tokens
+    assert first == whole.propose(view, 4, GREEDY, None).tokens and len(first) == 4
+    # One draft accepted plus the target's token; then both roll back and draft again.
+    seq = [*LONG, first[0], 17]
+    windowed.commit(len(LONG) + 1)
+    whole.commit(len(view) + 1)
+    assert windowed.cache.lengths[0] == whole.cache.lengths[0] == len(view) + 1
+    assert windowed.propose(seq, 3, GREEDY, None).tokens == whole.propose(windowed.view.view(seq), 3, GREEDY,
+                                                                          None).tokens
+    windowed.begin(PROMPTS[0])  # the next request is short: it reads all of it
+    assert windowed.view == DraftWindow()
+
+
+@pytest.mark.parametrize("method", ["draft", "hybrid"])
+def test_greedy_output_equals_plain(engine, plain, method):
+    spec = SpecConfig(k_policy="fixed", method=method, k=4, draft_window=W)
+    model = _model_drafter(engine.drafter(spec))
+    results = engine.generate(WINDOW_PROMPTS, GREEDY, spec)
+    assert [r.token_ids for r in results] == plain
+    assert sum(r.metrics.accepted for r in results) > 0
+    # Alone, the long prompt's draft cache ends with the window and the answer, not the whole prompt.
+    assert engine.generate(LONG, GREEDY, spec)[0].token_ids == plain[0]
+    assert model.view.skip == len(LONG) - W - SINK_TOKENS
+    assert model.cache.lengths[0] <= SINK_TOKENS + W + GREEDY.max_tokens + spec.k
+
+
+def test_the_cost_policy_keeps_greedy_output(engine, plain):
+    spec = SpecConfig(method="hybrid", k=4, draft_window=W)
+    assert [r.token_ids for r in engine.generate(WINDOW_PROMPTS, GREEDY, spec)] == plain
+
+
+@pytest.mark.parametrize("method", ["draft", "hybrid"])
+def test_batched_output_equals_plain(engine, plain, method):
+    spec = SpecConfig(k_policy="fixed", method=method, k=4, draft_window=W)
+    results = BatchEngine(engine, max_batch=3).generate_batch(WINDOW_PROMPTS, GREEDY, spec)
+    assert [r.token_ids for r in results] == plain
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("windows", [[W, None, W], [None, None, None], [W, W, W]])
+def test_batch_draft_model_drafts_as_the_model_drafter(engine, windows):
+    """Each row drafts what ModelDrafter drafts for it alone, whatever the other rows' windows."""
+    prompts = [LONG, LONGER, PROMPTS[1]]
+    vocab = engine.target.args.vocab_size
+    bd = BatchDraftModel(engine.draft, len(prompts), 128, vocab)
+    for slot, (p, w) in enumerate(zip(prompts, windows, strict=True)):
+        bd.begin(slot, p, window=w)
+        # A row lagging by its whole (windowed) prompt catches up alone: by the view's length.
+        assert bd.catch_up_needed(slot, p) == len(DraftWindow.for_prompt(len(p), w).view(p)) - 1
+    batched = [p.tokens for p in bd.propose([DraftRow(s, p, 4, GREEDY, None) for s, p in enumerate(prompts)])]
+    alone = []
+    for p, w in zip(prompts, windows, strict=True):
+        d = ModelDrafter(engine.draft, 128, vocab, window=w)
+        d.begin(p)
+        alone.append(d.propose(p, 4, GREEDY, None).tokens)
+    assert batched == alone
+    for slot, (p, w) in enumerate(zip(prompts, windows, strict=True)):
+        bd.commit(slot, len(p) + 1)
+        assert bd.cache.lengths[slot] == DraftWindow.for_prompt(len(p), w).draft_len(len(p) + 1)
+
+
+def test_sampling_matches_the_target(tmp_path):
+    make_tiny(tmp_path, arch="qwen2", vocab=32, layers=1, dim=32, heads=2, kv_heads=1, seed=0, scale=4.0)
+    target = build_model(open_source(tmp_path), torch.float32, progress=False)
+    engine = make_engine(target, target)  # it drafts for itself: q differs from p only by the context cut
+    prompt, params = [3, 5, 7, 2, 9, 11, 4, 6, 8, 10], SamplingParams(temperature=1.0)
+    spec = SpecConfig(k_policy="fixed", method="draft", k=2, draft_window=2)
+    counts = sampled_first_two(engine, prompt, params, spec, 3000)
+    p = chi_square_p(counts, exact_first_two(target, prompt, params))
+    assert p > 1e-3, f"speculative samples deviate from the target distribution (p = {p:.2e})"
+    assert _model_drafter(engine.drafter(spec)).view.skip == len(prompt) - 2 - SINK_TOKENS
+
+
+@pytest.mark.parametrize("value", [0, -8, True, 2.5, "8"])
+def test_bad_window_values(value):
+    with pytest.raises(VerispecError, match="draft window"):
+        SpecConfig(method="draft", draft_window=value)
+    with pytest.raises(VerispecError, match="draft window"):
+        ModelDrafter(None, 8, window=value)  # refused before the model is touched
+
+
+def test_method_option_parses_and_refuses_bad_values():
+    m = parse_method("hybrid:policy=cost,window=256")
+    assert m.spec.draft_window == 256 and m.spec.method == "hybrid"
+    assert parse_method("draft:draft_window=64").spec.draft_window == 64
+    for text in ("hybrid:window=0", "draft:window=-1"):
+        with pytest.raises(VerispecError, match="draft window"):
+            parse_method(text)
+    with pytest.raises(VerispecError, match="window must be int"):
+        parse_method("draft:window=wide")
+
+
+def test_cli_takes_a_draft_window_and_refuses_bad_ones(capsys):
+    from verispec.cli import _spec_from, build_parser, main
+
+    base = ["generate", "--model", "m", "--draft", "d", "--prompt", "hi"]
+    assert _spec_from(build_parser().parse_args([*base, "--draft-window", "256"])).draft_window == 256
+    assert _spec_from(build_parser().parse_args(base)).draft_window is None
+    assert main([*base, "--draft-window", "0"]) == 2  # refused before any model is opened
+    assert "draft window" in capsys.readouterr().err
