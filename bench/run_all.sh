@@ -31,9 +31,9 @@ for step in $STEPS; do
     two_process)  # issue 9: draft and target in one process vs one process each
       $PY bench/two_process.py --model qwen2.5-coder-1.5b-instruct --draft qwen2.5-coder-0.5b-instruct \
         --dtype bfloat16 --max-tokens 64 --prompts 2 --json "$OUT/two_process.json" | tee "$OUT/two_process.md" ;;
-    concurrency)  # issue 7: a concurrency sweep (1-4 with 8 requests, 8-16 with 32, plain/policy 3 runs each)
+    concurrency)  # issue 7: a concurrency sweep (1-4 with 8 requests, 8-16 with 32; all but fixed k 3 runs each)
       $PY bench/concurrency.py --dtype bfloat16 --draft-weights int4-all --max-tokens 48 --concurrency 1,2,4 \
-        --requests 8 --out "$OUT/concurrency"
+        --requests 8 --repeats 3 --once fixed --out "$OUT/concurrency"
       $PY bench/concurrency.py --dtype bfloat16 --draft-weights int4-all --max-tokens 48 --concurrency 8,16 \
         --requests 32 --repeats 3 --once fixed --out "$OUT/concurrency-8-16" ;;
     stability)    # issue 6: odd inputs, plain vs speculative
@@ -51,10 +51,10 @@ for step in $STEPS; do
         --dataset spec_bench,humaneval --per-category 3 --n 10 --seed 0 --max-tokens 64 -k 5 --peers llamacpp \
         --no-progress --out "$OUT/int4" ;;
     int4_long)    # issue 10: longer answers (256 new tokens, nearer Spec-Bench's protocol, where prefill weighs
-                  # little), the best methods of the int4 step against llama.cpp plain
-      $V bench "${INT4_PAIR[@]}" --methods none,hybrid:policy=cost,vocab=32768,hybrid:policy=cost,vocab=32768,confidence=0.3,hybrid:policy=cost,vocab=32768,confidence=0.3,k=8 \
-        --dataset spec_bench,humaneval --per-category 3 --n 10 --seed 0 --max-tokens 256 -k 5 --peers llamacpp \
-        --peer-methods llamacpp-plain --no-progress --out "$OUT/int4_long" ;;
+                  # little), the best methods of the int4 step against llama.cpp plain; 3 repeats (median per prompt)
+      $V bench "${INT4_PAIR[@]}" --methods none,hybrid:policy=cost,vocab=32768,confidence=0.3,hybrid:policy=cost,vocab=32768,confidence=0.3,window=256 \
+        --dataset spec_bench,humaneval --per-category 3 --n 10 --seed 0 --max-tokens 256 -k 5 --repeats 3 \
+        --peers llamacpp --peer-methods llamacpp-plain --no-progress --out "$OUT/int4_long" ;;
     draft_cost)   # issue 4: the draft cost ratio c for dense, int8 and int4 drafts (bf16 and int4 targets)
       { $PY bench/draft_cost.py --weights dense --draft-formats dense,int8,int4,int4-all
         $PY bench/draft_cost.py --weights int4 --draft-formats int8,int4,int4-all; } | tee "$OUT/draft_cost.md" ;;

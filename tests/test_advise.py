@@ -45,11 +45,18 @@ def test_online_timings_rescale_the_whole_curve():
 
 
 def test_cost_policy_probes_after_a_run_of_plain_steps():
-    # Poor acceptance keeps it plain, but cheap drafts could pay: probe every 4th step.
+    # Poor acceptance keeps it plain, but cheap drafts could pay: probe after 4 plain steps. Each
+    # probe that leaves the policy plain doubles the wait (8, 16, then 32 = 8 * probe_every at most).
     policy = CostK(CostModel(draft_s=0.05, verify_s=[0.1] * 6), k_max=5, acceptance=Acceptance(prior_a=0.1),
                    probe_every=4, probe_k=2)
-    chosen = [policy.choose(5) for _ in range(8)]
-    assert chosen == [0, 0, 0, 2, 0, 0, 0, 2]
+    chosen = [policy.choose(5) for _ in range(130)]
+    probes = [i + 1 for i, k in enumerate(chosen) if k]
+    assert probes == [4, 12, 28, 60, 92, 124] and {chosen[i - 1] for i in probes} == {2}
+    # Once speculating pays (acceptance rose), probes start over at every 4th plain step.
+    policy.acceptance = Acceptance(prior_a=0.9)
+    assert policy.choose(5) > 0
+    policy.acceptance = Acceptance(prior_a=0.1)
+    assert [policy.choose(5) for _ in range(8)] == [0, 0, 0, 2, 0, 0, 0, 0]
     # Drafts dearer than what even perfect acceptance saves: no probing at all.
     policy = CostK(CostModel(draft_s=1.0, verify_s=[0.1] * 6), k_max=5, probe_every=4, probe_k=2)
     assert [policy.choose(5) for _ in range(8)] == [0] * 8

@@ -263,6 +263,17 @@ def test_policy_needs_a_clear_predicted_gain_to_speculate():
     assert BatchPolicy(costs, probe_every=1000, min_gain=0.0).choose([RowPlan(cap=1, acceptance=0.45)] * 4) == 1
 
 
+def test_probes_that_change_nothing_come_ever_more_rarely():
+    # Flat target, cheap drafts: perfect acceptance would pay, a = 0.1 does not (1.1 tokens per 0.11 s).
+    costs = BatchCostModel(CostCurve({1: 0.1, 1024: 0.1}, smoothing=0), CostCurve({1: 0.01, 64: 0.01}, smoothing=0))
+    policy = BatchPolicy(costs, probe_every=2)
+    poor = [RowPlan(5, 0.1)] * 2
+    chosen = [policy.choose([RowPlan(5, 0.1)] * 2) for _ in range(50)]
+    assert [i + 1 for i, k in enumerate(chosen) if k] == [2, 6, 14, 30, 46]  # waits 2, 4, 8, 16 = 8 * 2 at most
+    assert policy.choose([RowPlan(5, 0.9)] * 2) > 0  # speculating starts the schedule over
+    assert [policy.choose(list(poor)) for _ in range(4)] == [0, policy.probe_k, 0, 0]
+
+
 def test_policy_picks_k0_in_the_engine_when_compute_bound(engine, reference):
     spec = SPECS["draft-cost"]
     be = BatchEngine(engine, max_batch=8, costs=BatchCostModel(CostCurve({1: 1e-3, 100: 0.1}, smoothing=0)))

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from verispec.engine.metrics import seconds_of
-from verispec.engine.policy import MIN_GAIN, expected_tokens
+from verispec.engine.policy import MIN_GAIN, ProbeSchedule, expected_tokens
 from verispec.models.llama import Transformer
 
 
@@ -150,9 +150,10 @@ class RowPlan:
 class BatchPolicy:
     """Chooses one k per step for all policy-governed rows by expected batch goodput.
 
-    While k = 0 nothing is learned about acceptance, so every ``probe_every`` plain steps a
+    While k = 0 nothing is learned about acceptance, so after ``probe_every`` plain steps a
     ``probe_k`` step runs, but only if speculation could pay at all: when even perfect acceptance
-    loses (compute-bound), probing would only waste compute.
+    loses (compute-bound), probing would only waste compute. Probes that change nothing come ever
+    more rarely (:class:`~verispec.engine.policy.ProbeSchedule`).
     """
 
     costs: BatchCostModel
@@ -160,7 +161,9 @@ class BatchPolicy:
     probe_k: int = 2
     min_gain: float = MIN_GAIN  # the predicted goodput gain over plain decoding that speculating must show
     chosen: dict[int, int] = field(default_factory=dict)  # k -> steps it was chosen
-    _plain_streak: int = 0
+
+    def __post_init__(self) -> None:
+        self.probes = ProbeSchedule(self.probe_every, 8 * self.probe_every)
 
     def goodput(self, plans: list[RowPlan], k: int, span: int | None = None, optimistic: bool = False) -> float:
         """Predicted tokens per second of the whole batch if governed rows draft ``k``."""
@@ -189,9 +192,7 @@ class BatchPolicy:
         if k > 0 and self._exclude_unpaid_catch_ups(plans, span, k):
             k = self._best_k(plans, span)
         if k == 0:
-            self._plain_streak += 1
-            if self._plain_streak >= self.probe_every:
-                self._plain_streak = 0
+            if self.probes.due():
                 probe = min(self.probe_k, max(governed))
                 # A probe can only show speculation paying if perfect acceptance would clear the same
                 # margin the choice demands; a near-tie (a compute-bound batch) would never turn into a
@@ -206,8 +207,9 @@ class BatchPolicy:
                         if p.must_catch_up:
                             p.cap = 0
                     k = probe
+                    self.probes.ran()
         else:
-            self._plain_streak = 0
+            self.probes.speculating()
         self.chosen[k] = self.chosen.get(k, 0) + 1
         return k
 

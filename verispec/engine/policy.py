@@ -176,13 +176,54 @@ class AnswerLengths:
 
 
 @dataclass
+class ProbeSchedule:
+    """When a policy that chose plain decoding takes a probe step instead, to look at acceptance again.
+
+    The first probe comes after ``every`` plain steps. A probe after which the policy still finds
+    speculation not worth it doubles the wait, up to ``max_every``: a request (or a batch) whose
+    drafts keep failing stops paying for looks that change nothing (at 8 clients, a probe every 16
+    steps cost about 2% of throughput). Choosing to speculate starts over at ``every``.
+    """
+
+    every: int = 8
+    max_every: int = 64
+    _gap: int = 0  # 0: every
+    _streak: int = 0
+    _probed: bool = False
+
+    @property
+    def gap(self) -> int:
+        """Plain steps before the next probe."""
+        return self._gap or self.every
+
+    def due(self) -> bool:
+        """The policy chose plain decoding for this step: True where it should probe instead."""
+        if self._probed:  # the last probe did not make speculation pay
+            self._gap, self._probed = min(2 * self.gap, self.max_every), False
+        self._streak += 1
+        if self._streak < self.gap:
+            return False
+        self._streak = 0
+        return True
+
+    def ran(self) -> None:
+        """A probe step runs now."""
+        self._probed = True
+
+    def speculating(self) -> None:
+        """The policy chose to speculate."""
+        self._streak, self._gap, self._probed = 0, 0, False
+
+
+@dataclass
 class CostK(KPolicy):
     """Pick the k that maximises predicted tokens/s; k = 0 when speculation does not pay.
 
     ``acceptance`` starts from a prior (the engine passes what this drafter achieved on earlier
     requests), so the first steps neither trust one lucky step nor give up after one bad one.
-    While k = 0 nothing is learned about acceptance, so every ``probe_every`` plain steps one
-    small probe step runs, unless even perfect acceptance could not pay.
+    While k = 0 nothing is learned about acceptance, so after ``probe_every`` plain steps one
+    small probe step runs, unless even perfect acceptance could not pay; probes that change
+    nothing come ever more rarely (:class:`ProbeSchedule`).
 
     A model drafter that has not yet read the prompt must first catch up on it (a prefill of
     the draft): the choice weighs that one-off cost against what speculation would save over
@@ -196,9 +237,11 @@ class CostK(KPolicy):
     probe_every: int = 8
     probe_k: int = 2
     min_gain: float = MIN_GAIN  # the predicted gain over plain decoding that speculating must show
-    _plain_streak: int = 0
     _catch_up: int = 0
     chosen: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.probes = ProbeSchedule(self.probe_every, 8 * self.probe_every)
 
     def choose(self, k_cap: int, remaining: int | None = None, catch_up: int = 0) -> int:
         """``remaining``: tokens the request is expected to produce; ``catch_up``: tokens to read first."""
@@ -208,17 +251,16 @@ class CostK(KPolicy):
         if k > 0 and not self._worth_catching_up(a, k, remaining, catch_up):
             k = 0
         if k == 0:
-            self._plain_streak += 1
-            if self._plain_streak >= self.probe_every:
-                self._plain_streak = 0
+            if self.probes.due():
                 # Only where drafting could pay at all: perfect acceptance beats plain decoding by
                 # the margin a choice demands and wins back what the drafter must read first.
                 probe = min(self.probe_k, k_cap)
                 if probe and self.costs.speed(1.0, probe) >= (1.0 + self.min_gain) * self.costs.speed(1.0, 0) and \
                         self._worth_catching_up(1.0, probe, remaining, catch_up):
                     k = probe
+                    self.probes.ran()
         else:
-            self._plain_streak = 0
+            self.probes.speculating()
         self.chosen.append(k)
         return k
 
