@@ -9,6 +9,8 @@ import json
 import sys
 from pathlib import Path
 
+from verispec.bench.report import category_ratios
+
 
 def short(label: str) -> str:
     """A method label without a datastore path (it names the machine's cache, not the method)."""
@@ -46,7 +48,7 @@ def category_table(report: dict) -> str:
 
 def main() -> None:
     root = Path(sys.argv[1])
-    for name in ("int4", "humaneval", "full"):
+    for name in ("int4", "int4_long", "humaneval", "full"):
         path = root / name / "report.json"
         if not path.is_file():
             continue
@@ -59,6 +61,8 @@ def main() -> None:
         for key in ("best_vs_llamacpp_plain", "best_vs_hf_assisted"):
             if peers.get(key) is not None:
                 print(f"{key}: {peers[key]:.2f}x (best method {peers.get('best_method')})\n")
+        if any(r["method"] == "llamacpp-plain" for r in report["per_category"]):
+            print(category_ratios(report, "llamacpp-plain") + "\n")
     for name in ("plain_decode.md", "two_process.md", "compile_vs_eager.md", "concurrency/concurrency.md",
                  "verify_cost/verify_cost.md"):
         path = root / name

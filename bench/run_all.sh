@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-docs/benchmarks/$(date +%F)}
-STEPS=${STEPS:-plain humaneval full advise two_process stability concurrency verify_cost kernels int4 int4_long draft_cost load compile}
+STEPS=${STEPS:-plain humaneval full advise two_process stability concurrency verify_cost kernels int4 int4_long draft_window draft_cost load compile}
 V=.venv/bin/verispec
 PY=.venv/bin/python
 PAIR=(--model qwen2.5-coder-1.5b-instruct --draft qwen2.5-coder-0.5b-instruct --dtype bfloat16 --draft-weights int8)
@@ -55,6 +55,11 @@ for step in $STEPS; do
       $V bench "${INT4_PAIR[@]}" --methods none,hybrid:policy=cost,vocab=32768,confidence=0.3,hybrid:policy=cost,vocab=32768,confidence=0.3,window=256 \
         --dataset spec_bench,humaneval --per-category 3 --n 10 --seed 0 --max-tokens 256 -k 5 --repeats 3 \
         --peers llamacpp --peer-methods llamacpp-plain --no-progress --out "$OUT/int4_long" ;;
+    draft_window) # issue 10: how much of a long prompt the draft reads (summaries, RAG) and what it costs on code
+      H=hybrid:policy=cost,vocab=32768,confidence=0.3
+      $V bench "${INT4_PAIR[@]}" --methods none,$H,$H,window=64,$H,window=128,$H,window=256 \
+        --dataset spec_bench,humaneval --per-category 3 --seed 0 --categories rag,summarization --n 10 \
+        --max-tokens 256 -k 5 --no-progress --out "$OUT/draft_window" ;;
     draft_cost)   # issue 4: the draft cost ratio c for dense, int8 and int4 drafts (bf16 and int4 targets)
       { $PY bench/draft_cost.py --weights dense --draft-formats dense,int8,int4,int4-all
         $PY bench/draft_cost.py --weights int4 --draft-formats int8,int4,int4-all; } | tee "$OUT/draft_cost.md" ;;

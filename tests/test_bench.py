@@ -20,6 +20,7 @@ from verispec.bench.peers import hf_location, load_hf_model
 from verispec.bench.report import REPORT_KEYS
 from verispec.bench.runner import markdown_table, plot_speedup, run_methods, summarize
 from verispec.bench.stability import NULL_DRAFTER, run_suite
+from verispec.bench.stats import MethodStats, ratios_by_category, spec_bench_mean
 from verispec.cli import main
 from verispec.config import PLAIN, SpecConfig
 from verispec.engine.engine import Engine
@@ -169,6 +170,20 @@ def test_jsonl_and_spec_bench_datasets(tmp_path: Path) -> None:
         datasets.spec_bench(sb, categories=["qa", "rug"])
 
 
+def test_ratios_to_a_peer_per_category_and_their_spec_bench_mean() -> None:
+    def row(method: str, category: str, tps: float) -> MethodStats:
+        return MethodStats(method, "verispec", category, 1, 10, 10 / tps, tps, None, None, None, None)
+
+    rows = [row("peer", "qa", 10), row("peer", "rag", 5), row("peer", "humaneval", 20), row("peer", "overall", 12),
+            row("x", "qa", 15), row("x", "rag", 10), row("x", "humaneval", 60), row("x", "overall", 20),
+            row("y", "mt_bench", 3)]
+    by_cat = ratios_by_category(rows, "peer")
+    assert by_cat == {"x": {"qa": 1.5, "rag": 2.0, "humaneval": 3.0, "overall": pytest.approx(20 / 12)}}
+    # The mean of the Spec-Bench categories' ratios: HumanEval and overall are not among them.
+    assert spec_bench_mean(by_cat["x"]) == pytest.approx(1.75)
+    assert spec_bench_mean({"humaneval": 2.0}) is None
+
+
 # -- stability ---------------------------------------------------------------------------------------
 
 def test_stability_suite_passes_on_a_tiny_model(engine: Engine) -> None:
@@ -236,6 +251,10 @@ def test_cli_end_to_end_greedy_with_peers_and_stability(pair: tuple[str, str], t
             "hf-plain", "hf-assisted", "hf-prompt-lookup"} <= set(labels)
     cats = {r["category"] for r in report["per_category"]}
     assert cats == {"code", "chat", "overall"}
+    by_cat = report["peers"]["vs_hf_plain_by_category"]
+    assert set(by_cat["draft"]) == cats and by_cat["draft"]["code"] > 0
+    assert report["peers"]["spec_bench_mean_vs_hf_plain"]["draft"] is None  # no Spec-Bench category ran
+    assert "Tokens/s over hf-plain's, per category" in (out / "report.md").read_text()
     for r in report["summary"]:
         assert r["tokens_per_s"] > 0 and r["prompts"] == 3
         assert r["speedup"] is not None

@@ -196,15 +196,21 @@ PEER_ROWS = ("hf-assisted", "hf-prompt-lookup", "hf-plain", "llamacpp-plain", "l
 
 
 def _peer_ratios(rows: list[Any]) -> dict[str, Any]:
-    """tokens/s of every method over hf-plain's and llamacpp-plain's, and of verispec's best method over each peer's."""
-    from verispec.bench.stats import best_method, overall
+    """tokens/s of every method over hf-plain's and llamacpp-plain's (overall and per category), and of verispec's
+    best method over each peer's."""
+    from verispec.bench.stats import best_method, overall, ratios_by_category, spec_bench_mean
 
     best = best_method(rows)
     tps = {r.method: r.tokens_per_s for r in overall(rows)}
     out: dict[str, Any] = {}
     for plain in ("hf-plain", "llamacpp-plain"):
-        out["vs_" + plain.replace("-", "_")] = {r.method: r.tokens_per_s / tps[plain] if tps.get(plain) else None
-                                               for r in overall(rows)}
+        key = plain.replace("-", "_")
+        out["vs_" + key] = {r.method: r.tokens_per_s / tps[plain] if tps.get(plain) else None
+                            for r in overall(rows)}
+        # Per category too, and the mean over Spec-Bench's categories (the unit of issue 10's goal).
+        by_cat = ratios_by_category(rows, plain)
+        out[f"vs_{key}_by_category"] = by_cat
+        out[f"spec_bench_mean_vs_{key}"] = {m: spec_bench_mean(c) for m, c in by_cat.items()}
     out["best_method"] = best.method if best else None
     for peer in PEER_ROWS:
         out["best_vs_" + peer.replace("-", "_")] = best.tokens_per_s / tps[peer] if best and tps.get(peer) else None

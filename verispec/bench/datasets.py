@@ -65,6 +65,8 @@ def _sample_per_category(prompts: list[BenchPrompt], per_category: int | None, s
 
 
 MT_BENCH = frozenset({"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"})
+# Spec-Bench's six categories as its reports count them (the MT-bench ones as one).
+SPEC_BENCH_CATEGORIES = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
 
 
 def spec_bench(path: Path | None = None, per_category: int | None = None, seed: int = 0,

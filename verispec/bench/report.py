@@ -219,6 +219,8 @@ def _peers(report: dict[str, Any]) -> str:
              *[_f(vs[plain].get(r["method"]), ".2f", "x") for plain in plains]]
             for r in report["summary"] if r["method"] not in swept]
     lines.append(_table(["method", "tokens/s", "vs verispec plain", *[f"vs {plain}" for plain in plains]], rows))
+    for plain in plains:
+        lines += ["", category_ratios(report, plain)]
     if p.get("best_method"):
         headline = ("hf-assisted", "llamacpp-plain")  # in bold: the strongest transformers peer, llama.cpp itself
         ratios = []
@@ -230,6 +232,17 @@ def _peers(report: dict[str, Any]) -> str:
         if ratios:
             lines += ["", f"Best verispec method: **{p['best_method']}**; tokens/s ratio {', '.join(ratios)}."]
     return "\n".join(lines)
+
+
+def category_ratios(report: dict[str, Any], peer: str) -> str:
+    """A table of every method's tokens/s over ``peer``'s per category, with the mean over Spec-Bench's categories."""
+    from verispec.bench.stats import MethodStats, ratios_by_category, spec_bench_mean
+
+    by_cat = ratios_by_category([MethodStats(**r) for r in report["per_category"]], peer)
+    cats = list(dict.fromkeys(c for ratios in by_cat.values() for c in ratios))
+    rows = [[method, *[_f(ratios.get(c), ".2f", "x") for c in cats], _f(spec_bench_mean(ratios), ".2f", "x")]
+            for method, ratios in by_cat.items() if method not in _swept(report)]
+    return f"Tokens/s over {peer}'s, per category:\n\n" + _table(["method", *cats, "Spec-Bench mean"], rows)
 
 
 def _stability(report: dict[str, Any]) -> str:

@@ -99,6 +99,24 @@ def overall(rows: list[MethodStats]) -> list[MethodStats]:
     return [r for r in rows if r.category == OVERALL]
 
 
+def ratios_by_category(rows: list[MethodStats], peer: str) -> dict[str, dict[str, float]]:
+    """tokens/s of every other method over ``peer``'s, per category (those ``peer`` ran, ``overall`` included)."""
+    peer_tps = {r.category: r.tokens_per_s for r in rows if r.method == peer and r.tokens_per_s}
+    out: dict[str, dict[str, float]] = {}
+    for r in rows:
+        if r.method != peer and r.category in peer_tps:
+            out.setdefault(r.method, {})[r.category] = r.tokens_per_s / peer_tps[r.category]
+    return out
+
+
+def spec_bench_mean(by_category: dict[str, float]) -> float | None:
+    """The mean of per-category ratios over Spec-Bench's categories (None if none of them ran)."""
+    from verispec.bench.datasets import SPEC_BENCH_CATEGORIES
+
+    values = [v for c, v in by_category.items() if c in SPEC_BENCH_CATEGORIES]
+    return sum(values) / len(values) if values else None
+
+
 def best_method(rows: list[MethodStats]) -> MethodStats | None:
     """The verispec method with the highest overall tokens/s (None if only the baseline ran)."""
     cands = [r for r in overall(rows) if r.kind == "verispec"]
