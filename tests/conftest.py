@@ -116,3 +116,12 @@ def small_vocab_close_draft(tmp_path_factory: pytest.TempPathFactory, small_voca
     """The small target plus noise: q differs from p (TV ~0.3) yet drafts are often accepted."""
     return _noisy_copy(tmp_path_factory, "small_close", small_vocab_target, 0.15, 5, arch="qwen2",
                        vocab=SMALL_VOCAB, layers=1, dim=32, heads=2, kv_heads=1, seed=0, scale=4.0)
+
+
+@pytest.fixture(scope="module")
+def noisy_pair_engine(qwen2_tiny: Tiny, qwen2_noisy_draft_tiny: Tiny) -> Any:
+    """An engine (token ids, no tokenizer) over the qwen2 target and its noisy draft; one per test module,
+    since tests wrap its drafters."""
+    from drafters_common import make_engine
+
+    return make_engine(qwen2_tiny.model, qwen2_noisy_draft_tiny.model)

@@ -42,8 +42,8 @@ def test_the_view_keeps_the_sink_and_the_window():
 
 
 @pytest.fixture(scope="module")
-def engine(qwen2_tiny, qwen2_noisy_draft_tiny):
-    return make_engine(qwen2_tiny.model, qwen2_noisy_draft_tiny.model)
+def engine(noisy_pair_engine):
+    return noisy_pair_engine
 
 
 @pytest.fixture(scope="module")

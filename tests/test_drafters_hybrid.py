@@ -91,8 +91,8 @@ def test_a_trusted_lookup_is_offered_as_free_and_proposed_once():
 # -- with a draft model -----------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def engine(qwen2_tiny, qwen2_noisy_draft_tiny) -> Engine:
-    return make_engine(qwen2_tiny.model, qwen2_noisy_draft_tiny.model)
+def engine(noisy_pair_engine) -> Engine:
+    return noisy_pair_engine
 
 
 @pytest.fixture(scope="module")
