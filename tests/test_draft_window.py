@@ -63,7 +63,7 @@ def test_a_windowed_drafter_drafts_what_it_would_for_the_view(engine):
     windowed = ModelDrafter(engine.draft, 128, vocab, window=W)
     whole = ModelDrafter(engine.draft, 128, vocab)
     windowed.begin(LONG)
-    view = windowed.view.view(LONG)
+    view = windowed.reads.view(LONG)
     assert len(view) == SINK_TOKENS + W
     assert windowed.catch_up_tokens(LONG) == len(view) - 1  # what a k policy is charged, not len(LONG) - 1
     whole.begin(view)
@@ -74,10 +74,10 @@ def test_a_windowed_drafter_drafts_what_it_would_for_the_view(engine):
     windowed.commit(len(LONG) + 1)
     whole.commit(len(view) + 1)
     assert windowed.cache.lengths[0] == whole.cache.lengths[0] == len(view) + 1
-    assert windowed.propose(seq, 3, GREEDY, None).tokens == whole.propose(windowed.view.view(seq), 3, GREEDY,
+    assert windowed.propose(seq, 3, GREEDY, None).tokens == whole.propose(windowed.reads.view(seq), 3, GREEDY,
                                                                           None).tokens
     windowed.begin(PROMPTS[0])  # the next request is short: it reads all of it
-    assert windowed.view == DraftWindow()
+    assert windowed.reads == DraftWindow()
 
 
 @pytest.mark.parametrize("method", ["draft", "hybrid"])
@@ -89,7 +89,7 @@ def test_greedy_output_equals_plain(engine, plain, method):
     assert sum(r.metrics.accepted for r in results) > 0
     # Alone, the long prompt's draft cache ends with the window and the answer, not the whole prompt.
     assert engine.generate(LONG, GREEDY, spec)[0].token_ids == plain[0]
-    assert model.view.skip == len(LONG) - W - SINK_TOKENS
+    assert model.reads.skip == len(LONG) - W - SINK_TOKENS
     assert model.cache.lengths[0] <= SINK_TOKENS + W + GREEDY.max_tokens + spec.k
 
 
@@ -137,7 +137,7 @@ def test_sampling_matches_the_target(tmp_path):
     counts = sampled_first_two(engine, prompt, params, spec, 3000)
     p = chi_square_p(counts, exact_first_two(target, prompt, params))
     assert p > 1e-3, f"speculative samples deviate from the target distribution (p = {p:.2e})"
-    assert _model_drafter(engine.drafter(spec)).view.skip == len(prompt) - 2 - SINK_TOKENS
+    assert _model_drafter(engine.drafter(spec)).reads.skip == len(prompt) - 2 - SINK_TOKENS
 
 
 @pytest.mark.parametrize("value", [0, -8, True, 2.5, "8"])

@@ -32,7 +32,7 @@ class ModelDrafter(Drafter):
         self.model = model
         check_draft_window(window)
         self.window = window
-        self.view = DraftWindow()  # this request's view of its sequence (set by begin)
+        self.reads = DraftWindow()  # which tokens of this request's sequence the draft reads (set by begin)
         # Stop drafting once the draft's top probability falls below this: a likely rejection.
         self.min_confidence = min_confidence
         self.cache = model.new_cache(1, max_len)
@@ -49,13 +49,13 @@ class ModelDrafter(Drafter):
 
     def begin(self, prompt: list[int]) -> None:
         self.cache.reset(0)
-        self.view = DraftWindow.for_prompt(len(prompt), self.window)
+        self.reads = DraftWindow.for_prompt(len(prompt), self.window)
         if self.subset is not None:
             self.head = self.subset.head(prompt)
 
     @torch.inference_mode()
     def propose(self, seq: list[int], k: int, params: SamplingParams, generator: torch.Generator | None) -> Proposal:
-        seq = self.view.view(seq)
+        seq = self.reads.view(seq)
         start = min(self.cache.lengths[0], len(seq) - 1)
         # Catch up on what the draft has not seen (the target's last token, maybe more), then draft.
         feed = seq[start:]
@@ -95,10 +95,10 @@ class ModelDrafter(Drafter):
         return self._gen
 
     def commit(self, n_valid: int) -> None:
-        self.cache.lengths[0] = min(self.cache.lengths[0], self.view.draft_len(n_valid))
+        self.cache.lengths[0] = min(self.cache.lengths[0], self.reads.draft_len(n_valid))
 
     def catch_up_tokens(self, seq: list[int]) -> int:
-        return max(0, len(self.view.view(seq)) - 1 - self.cache.lengths[0])  # the last token is every step's own work
+        return max(0, len(self.reads.view(seq)) - 1 - self.cache.lengths[0])  # the last token is every step's own work
 
 
 def _fit_vocab(logits: torch.Tensor, size: int) -> torch.Tensor:

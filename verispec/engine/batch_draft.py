@@ -81,7 +81,7 @@ class BatchDraftModel:
         self._head_key: tuple | None = None
         self._head: SubsetHead | None = None
         self.reduced_forwards = 0  # lockstep forwards that ran a reduced head
-        self._views: dict[int, DraftWindow] = {}  # per slot: the part of its sequence the draft reads
+        self._windows: dict[int, DraftWindow] = {}  # per slot: the part of its sequence the draft reads
 
     def begin(self, slot: int, prompt: list[int] | None = None, draft_vocab: int | None = None,
               window: int | None = None) -> None:
@@ -90,7 +90,7 @@ class BatchDraftModel:
         self.cache.reset(slot)
         self._local_gens.pop(slot, None)
         check_draft_window(window)
-        self._views[slot] = DraftWindow.for_prompt(len(prompt or ()), window)
+        self._windows[slot] = DraftWindow.for_prompt(len(prompt or ()), window)
         self._epoch[slot] = self._epoch.get(slot, 0) + 1
         check_draft_vocab(draft_vocab)
         if draft_vocab is None or draft_vocab >= self.model.args.vocab_size:
@@ -132,16 +132,16 @@ class BatchDraftModel:
 
     def catch_up_needed(self, slot: int, seq: list[int]) -> int:
         """Tokens of ``seq`` the row in ``slot`` must read alone before drafting (0: it keeps up in lockstep)."""
-        seq = self._view(slot).view(seq)
+        seq = self._window(slot).view(seq)
         lag = len(seq) - min(self.cache.lengths[slot], len(seq) - 1)
         return lag - 1 if lag > MAX_LOCKSTEP_FEED else 0
 
     def commit(self, slot: int, n_valid: int) -> None:
         """The first ``n_valid`` tokens of ``slot``'s sequence are final."""
-        self.cache.lengths[slot] = min(self.cache.lengths[slot], self._view(slot).draft_len(n_valid))
+        self.cache.lengths[slot] = min(self.cache.lengths[slot], self._window(slot).draft_len(n_valid))
 
-    def _view(self, slot: int) -> DraftWindow:
-        return self._views.get(slot) or DraftWindow()
+    def _window(self, slot: int) -> DraftWindow:
+        return self._windows.get(slot) or DraftWindow()
 
     @torch.inference_mode()
     def propose(self, rows: list[DraftRow]) -> list[Proposal]:
@@ -156,7 +156,7 @@ class BatchDraftModel:
                 continue
             if not r.params.greedy:
                 r.generator = self._generator(r.slot, r.generator)
-            seq = self._view(r.slot).view(r.seq)
+            seq = self._window(r.slot).view(r.seq)
             start = min(lengths[r.slot], len(seq) - 1)
             lengths[r.slot] = start
             if len(seq) - start > MAX_LOCKSTEP_FEED:
