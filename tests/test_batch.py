@@ -263,27 +263,6 @@ def test_policy_needs_a_clear_predicted_gain_to_speculate():
     assert BatchPolicy(costs, probe_every=1000, min_gain=0.0).choose([RowPlan(cap=1, acceptance=0.45)] * 4) == 1
 
 
-def test_realised_goodput_corrects_an_optimistic_step_model():
-    # Flat target, draft forwards at 10% of a step: a = 0.6 at k = 2 predicts 1.63x plain decoding.
-    costs = BatchCostModel(CostCurve({1: 0.1, 1024: 0.1}, smoothing=0), CostCurve({1: 0.01, 64: 0.01}, smoothing=0))
-    policy = BatchPolicy(costs, probe_every=1000)
-    rows = [RowPlan(2, 0.6)] * 4
-    k = policy.choose(rows)
-    assert k == 2
-    # Speculating steps at 4 rows realise half their prediction; plain steps what they predict.
-    for _ in range(30):
-        policy.observe(rows, 2, None, tokens=round(policy.goodput(rows, 2) * 0.12 / 2), seconds=0.12)
-        policy.observe(rows, 0, None, tokens=4, seconds=0.1)
-    assert policy.realised.factor(True, 4) == pytest.approx(0.5, rel=0.1)
-    assert policy.realised.factor(False, 4) == pytest.approx(1.0)
-    assert policy.choose(rows) == 0
-    # Other batch sizes keep their own factors: 2 rows (and 3, which rounds up to 4, does not).
-    assert policy.choose([RowPlan(2, 0.6)] * 2) == 2 and policy.choose([RowPlan(2, 0.6)] * 3) == 0
-    # Probes still run (they relearn the factor): only perfect acceptance's unscaled gain screens them.
-    prober = BatchPolicy(costs, probe_every=1, realised=policy.realised)
-    assert prober.choose([RowPlan(2, 0.1)] * 4) == prober.probe_k
-
-
 def test_probes_that_change_nothing_come_ever_more_rarely():
     # Flat target, cheap drafts: perfect acceptance would pay, a = 0.1 does not (1.1 tokens per 0.11 s).
     costs = BatchCostModel(CostCurve({1: 0.1, 1024: 0.1}, smoothing=0), CostCurve({1: 0.01, 64: 0.01}, smoothing=0))

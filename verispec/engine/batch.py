@@ -542,9 +542,6 @@ class BatchEngine:
                     req.row.k = min(policy_k, plan.cap)
         report = batched_step(self.target, self.cache, rows, self.draft_model)
         self.stats.record(report, policy_k)
-        if policy_k is not None and self.policy is not None:
-            self.policy.observe(plans, policy_k, span, sum(len(t) for t in report.new_tokens),
-                                report.propose_s + report.score_s + report.verify_s)
         if self.costs is not None:
             self.costs.target.observe(report.scored_tokens, report.score_s)
             self.costs.observe_catch_up(report.catch_ups, report.catch_up_tokens, report.catch_up_s)

@@ -16,7 +16,6 @@ row, from each row's own acceptance estimate). Rows that fix their own k (``k_po
 
 from __future__ import annotations
 
-import math
 from bisect import bisect_left
 from dataclasses import dataclass, field
 
@@ -148,38 +147,6 @@ class RowPlan:
 
 
 @dataclass
-class RealisedGain:
-    """How a batch step's realised goodput compares with its prediction, by kind of step and batch size.
-
-    The step model leaves out per-row bookkeeping and catch-ups, and runs on noisy acceptance
-    estimates. Where it is optimistic about speculating, the policy keeps paying: at 4 clients it
-    speculated on three quarters of its steps, each predicted to gain at least 5%, and realised
-    nothing. So each step's realised over predicted goodput is folded into a running geometric
-    mean, separately for speculating and plain steps and per batch size (rows rounded up to a
-    power of two), and speculation must clear its margin on predictions scaled by these factors.
-    """
-
-    smoothing: float = 0.1
-    _log_ratio: dict[tuple[bool, int], float] = field(default_factory=dict)
-
-    @staticmethod
-    def _bucket(rows: int) -> int:
-        return 1 << max(0, rows - 1).bit_length()
-
-    def factor(self, speculating: bool, rows: int) -> float:
-        """Realised over predicted goodput so far (1.0 before any step of this kind and size)."""
-        return math.exp(self._log_ratio.get((speculating, self._bucket(rows)), 0.0))
-
-    def observe(self, speculating: bool, rows: int, predicted: float, realised: float) -> None:
-        """Fold in one step: ``predicted`` and ``realised`` tokens per second of the whole batch."""
-        if predicted <= 0 or realised <= 0:
-            return
-        key = (speculating, self._bucket(rows))
-        old = self._log_ratio.get(key, 0.0)
-        self._log_ratio[key] = old + self.smoothing * (math.log(realised / predicted) - old)
-
-
-@dataclass
 class BatchPolicy:
     """Chooses one k per step for all policy-governed rows by expected batch goodput.
 
@@ -194,7 +161,6 @@ class BatchPolicy:
     probe_k: int = 2
     min_gain: float = MIN_GAIN  # the predicted goodput gain over plain decoding that speculating must show
     chosen: dict[int, int] = field(default_factory=dict)  # k -> steps it was chosen
-    realised: RealisedGain = field(default_factory=RealisedGain)
 
     def __post_init__(self) -> None:
         self.probes = ProbeSchedule(self.probe_every, 8 * self.probe_every)
@@ -261,21 +227,7 @@ class BatchPolicy:
     def _best_k(self, plans: list[RowPlan], span: int | None) -> int:
         k_max = max(p.cap for p in plans if p.acceptance is not None)
         k = max(range(k_max + 1), key=lambda k: (self.goodput(plans, k, span), -k))
-        if k == 0:
-            return 0
-        rows = span or len(plans)
-        spec = self.goodput(plans, k, span) * self.realised.factor(True, rows)
-        plain = self.goodput(plans, 0, span) * self.realised.factor(False, rows)
-        return k if spec >= (1.0 + self.min_gain) * plain else 0
-
-    def observe(self, plans: list[RowPlan], k: int, span: int | None, tokens: int, seconds: float) -> None:
-        """A step ran at ``k`` for the governed rows of ``plans`` and made ``tokens`` tokens in ``seconds``.
-
-        (Probes count too: they are how the factor of speculating steps is relearnt while the
-        batch decodes plainly, which is why the probe test itself uses unscaled predictions.)
-        """
-        if seconds > 0:
-            self.realised.observe(k > 0, span or len(plans), self.goodput(plans, k, span), tokens / seconds)
+        return k if self.goodput(plans, k, span) >= (1.0 + self.min_gain) * self.goodput(plans, 0, span) else 0
 
 
 @torch.inference_mode()
