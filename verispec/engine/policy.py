@@ -181,8 +181,8 @@ class ProbeSchedule:
 
     The first probe comes after ``every`` plain steps. A probe after which the policy still finds
     speculation not worth it doubles the wait, up to ``max_every``: a request (or a batch) whose
-    drafts keep failing stops paying for looks that change nothing (at 8 clients, a probe every 16
-    steps cost about 2% of throughput). Choosing to speculate starts over at ``every``.
+    drafts keep failing stops paying for looks that change nothing (at 8 clients the batch ran 7-9
+    probes in 181 steps and no other speculation). Choosing to speculate starts over at ``every``.
     """
 
     every: int = 8
