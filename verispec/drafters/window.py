@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from verispec.config import check_draft_window
+
 # Tokens kept from the start of a windowed prompt (StreamingLLM keeps 4).
 SINK_TOKENS = 4
 
@@ -31,6 +33,7 @@ class DraftWindow:
     @classmethod
     def for_prompt(cls, prompt_len: int, window: int | None) -> DraftWindow:
         """The view of a request whose prompt has ``prompt_len`` tokens; ``window`` None reads everything."""
+        check_draft_window(window)
         if window is None or prompt_len <= window + SINK_TOKENS:
             return cls()
         return cls(SINK_TOKENS, prompt_len - window - SINK_TOKENS)

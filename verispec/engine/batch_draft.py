@@ -30,7 +30,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from verispec.config import check_draft_window
 from verispec.drafters.base import Proposal
 from verispec.drafters.vocab import DraftVocab, SubsetHead, check_draft_vocab
 from verispec.drafters.window import DraftWindow
@@ -89,7 +88,6 @@ class BatchDraftModel:
         included), ``window`` reads only the ends of a long prompt (:mod:`verispec.drafters.window`)."""
         self.cache.reset(slot)
         self._local_gens.pop(slot, None)
-        check_draft_window(window)
         self._windows[slot] = DraftWindow.for_prompt(len(prompt or ()), window)
         self._epoch[slot] = self._epoch.get(slot, 0) + 1
         check_draft_vocab(draft_vocab)
