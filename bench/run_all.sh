@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-docs/benchmarks/$(date +%F)}
-STEPS=${STEPS:-plain humaneval full advise two_process stability concurrency verify_cost kernels int4 int4_long draft_window draft_cost load compile}
+STEPS=${STEPS:-plain humaneval full advise two_process stability concurrency verify_cost kernels fused_paths int4 int4_long draft_window draft_cost load compile}
 V=.venv/bin/verispec
 PY=.venv/bin/python
 PAIR=(--model qwen2.5-coder-1.5b-instruct --draft qwen2.5-coder-0.5b-instruct --dtype bfloat16 --draft-weights int8)
@@ -44,6 +44,8 @@ for step in $STEPS; do
         | tee "$OUT/verify_cost/verify_cost.md" ;;
     kernels)      # issue 10: per-projection t(M), stock PyTorch kernels vs verispec's small-M kernels
       $PY bench/kernel_bench.py | tee "$OUT/kernels.md" ;;
+    fused_paths)  # issue 10: fused attend vs SDPA in the prefill, lean vs module projection calls in decode
+      $PY bench/fused_paths.py --json "$OUT/fused_paths.json" | tee "$OUT/fused_paths.md" ;;
     int4)         # issues 4, 5, 10: int4 pair, every drafter, the cost policy, llama.cpp as the peer
       test -f "$STORE/meta.json" || $V datastore build "$($PY -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')"/*.py \
         -o "$STORE" --model qwen2.5-coder-1.5b-instruct

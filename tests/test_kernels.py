@@ -445,6 +445,25 @@ def test_fast_and_stock_layers_agree(fmt, dtype):
         assert ((yf - ref).abs() <= 1e-5 * s).all()  # fp32 models keep an fp32 output
 
 
+@pytest.mark.parametrize("kern", ["auto", "stock"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fmt", ["dense", "int4", "int8"])
+def test_small_m_call_equals_the_layer(fmt, dtype, kern):
+    # The fused decode path's lean call returns what the module does, bit for bit, with and without a
+    # bias, for the rows of a decode / verification step; a layer without small_m is simply called.
+    torch.manual_seed(2)
+    w = torch.randn(96, 128)
+    for bias in (None, torch.randn(96)):
+        layer = make_linear(w, bias, fmt, dtype, kernels=kern)
+        for m in (1, 3, 8):
+            x = torch.randn(m, 128).to(dtype)
+            y = linear.small_m_call(layer, x)
+            assert y.dtype == dtype and torch.equal(y, layer(x)), (bias is None, m)
+    plain = torch.nn.Linear(128, 96).to(dtype)
+    x = torch.randn(2, 128).to(dtype)
+    assert torch.equal(linear.small_m_call(plain, x), plain(x))
+
+
 @fast_only
 def test_int4_layer_moves_between_layouts():
     lin = make_linear(torch.randn(64, 64), None, "int4", torch.bfloat16)

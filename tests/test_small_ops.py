@@ -250,6 +250,34 @@ def test_attend_rows_and_queries_are_independent(dtype, shape, threads):
             assert torch.equal(fewer[0], together[row, :mq]), (row, mq)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attend_prefill_matches_and_splits_without_changing_bits(dtype):
+    # A causal prefill (hundreds of queries from position 0, as the prefill path runs it) matches the
+    # reference; with more threads than (row, KV head) pairs the query blocks are dealt out over more
+    # tasks (4 and 8 threads here), bit for bit the same output and cache.
+    b, m, h, kv, d = 1, 150, 6, 2, 64
+    qkv, cos, sin, pos, big_k, big_v = attend_inputs(b, m, h, kv, d, 160, dtype, seed=6, starts=[0])
+    ref_k, ref_v = big_k.clone(), big_v.clone()
+    # The reference in chunks of SMALL_M queries (its additive mask is for a few queries): causal, so
+    # every key a query sees is written by its own or an earlier chunk.
+    parts = [reference_attend(qkv[:, c:c + SMALL_M], cos[:, c:c + SMALL_M], sin[:, c:c + SMALL_M],
+                              pos[:, c:c + SMALL_M], ref_k[1:2], ref_v[1:2], min(m, c + SMALL_M), h, kv,
+                              dtype == torch.bfloat16) for c in range(0, m, SMALL_M)]
+    ref = torch.cat(parts, 1) if dtype == torch.float32 else tuple(torch.cat(t, 1) for t in zip(*parts, strict=True))
+    before = torch.get_num_threads()
+    outs = []
+    try:
+        for n in (1, 4, 8):
+            torch.set_num_threads(n)
+            k1, v1 = big_k[1:2].clone(), big_v[1:2].clone()
+            outs.append(kernels.attend(qkv, cos, sin, pos, k1, v1, m, h, kv))
+            assert torch.equal(k1, ref_k[1:2]) and torch.equal(v1, ref_v[1:2])
+    finally:
+        torch.set_num_threads(before)
+    check_attend_output(outs[0], ref)
+    assert all(torch.equal(o, outs[0]) for o in outs[1:])
+
+
 def test_attend_applies_to_multiples_of_16_only():
     assert kernels.attend_applies(64, torch.bfloat16) and kernels.attend_applies(256, torch.float32)
     assert not kernels.attend_applies(24, torch.float32)
@@ -328,10 +356,10 @@ def test_kernels_stock_keeps_the_python_path(tiny_folders):
     assert all(torch.isfinite(o).all() for o in steps(odd, True))
 
 
-def count_row_ops(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """Record the fused row ops (rms_norm, add_rms_norm, silu_mul) called from now on."""
+def count_fused_ops(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Record the fused ops (rms_norm, add_rms_norm, silu_mul, attend) called from now on."""
     calls: list[str] = []
-    for name in ("rms_norm", "add_rms_norm", "silu_mul"):
+    for name in ("rms_norm", "add_rms_norm", "silu_mul", "attend"):
         real = getattr(kernels, name)
 
         def spy(*args, _real=real, _name=name):  # noqa: ANN002, ANN202 - passes everything on
@@ -343,22 +371,35 @@ def count_row_ops(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
 
 @pytest.mark.parametrize("name", ["qwen2_hd16", "qwen2_hd24"])
-def test_prefill_runs_the_row_ops_and_matches_the_python_path(tiny_folders, name, monkeypatch):
-    # Past SMALL_M tokens (a prefill: SDPA attention) the norms, residual adds and silu * up are the
-    # fused row ops, head size 24 (no fused attention) included; fp32 within the sum-order tolerance.
+def test_prefill_runs_the_fused_ops_and_matches_the_python_path(tiny_folders, name, monkeypatch):
+    # Past SMALL_M tokens (a prefill) the norms, residual adds and silu * up are the fused row ops,
+    # head size 24 included; attention is the fused attend where it applies (head size 16), SDPA
+    # otherwise. fp32 within the sum-order tolerance, for a fresh prefill and for a chunk that
+    # continues one (the second half of the prompt at positions past the first).
     model = build_model(open_source(tiny_folders[name]), torch.float32, progress=False)
-    calls = count_row_ops(monkeypatch)
+    calls = count_fused_ops(monkeypatch)
+    attend = ["attend"] if name == "qwen2_hd16" else []
     g = torch.Generator().manual_seed(3)
-    tokens = torch.randint(0, model.args.vocab_size, (2, SMALL_M + 9), generator=g)
-    pos = torch.arange(SMALL_M + 9).expand(2, -1)
+    n_tok = 2 * SMALL_M + 18
+    tokens = torch.randint(0, model.args.vocab_size, (2, n_tok), generator=g)
+    pos = torch.arange(n_tok).expand(2, -1)
+    half = n_tok // 2
     for kw in ({}, {"n_layers": 2}, {"last_only": True}):
-        fused = run(model, model.new_cache(2, 64), tokens, pos, True, **kw)
+        fused = run(model, model.new_cache(2, 128), tokens, pos, True, **kw)
         n = kw.get("n_layers", 3)
-        assert calls == ["rms_norm"] + ["add_rms_norm", "silu_mul", "add_rms_norm"] * n, kw
+        assert calls == ["rms_norm"] + (attend + ["add_rms_norm", "silu_mul", "add_rms_norm"]) * n, kw
         calls.clear()
-        python = run(model, model.new_cache(2, 64), tokens, pos, False, **kw)
+        python = run(model, model.new_cache(2, 128), tokens, pos, False, **kw)
         assert not calls
         assert (fused - python).abs().max() <= 1e-4 * python.abs().max(), kw
+        chunks = {}
+        for ops in (True, False):
+            cache = model.new_cache(2, 128)
+            run(model, cache, tokens[:, :half], pos[:, :half], ops)
+            chunks[ops] = run(model, cache, tokens[:, half:], pos[:, half:], ops, **kw)
+        calls.clear()
+        assert (chunks[True] - chunks[False]).abs().max() <= 1e-4 * chunks[False].abs().max(), kw
+        assert (chunks[True][:, -1] - python[:, -1]).abs().max() <= 1e-4 * python.abs().max(), kw
 
 
 def test_python_path_decode_keeps_its_ops(tiny_folders):

@@ -184,6 +184,13 @@ def _ext() -> ModuleType:
     return ext
 
 
+def ext() -> ModuleType:
+    """The loaded extension itself, for the hottest calls (the decode path's projections, see
+    ``verispec.models.linear.small_m_call``): its functions take bf16/fp32 tensors exactly as the
+    wrappers here pass them, with no casts or checks in Python. Raises where :func:`available` is false."""
+    return _EXT or _ext()
+
+
 # -- int4 -------------------------------------------------------------------------------------
 
 

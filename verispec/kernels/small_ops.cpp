@@ -1,4 +1,6 @@
-// Fused small ops of a decode / verification step (M = 1..32 new tokens per row), AVX-512.
+// Fused small ops of a decode / verification step (M = 1..32 new tokens per row), AVX-512. The
+// prefill (longer blocks) uses them too, between its large-M projections: the row ops are parallel
+// over rows, and attend over (row, KV head) and, with fewer of those than threads, query blocks.
 //
 // Next to the weight-streaming matmuls of wo_gemm.cpp, a step of a small model spends several
 // milliseconds in a few hundred tiny aten ops: RMSNorm (~8 ops), rotary embeddings (~10),
@@ -16,7 +18,7 @@
 // "round" is a rounding to the tensors' dtype (bf16, or nothing for fp32): the roundings the
 // PyTorch reference (verispec/models/llama.py) makes between its ops are kept where they are
 // cheap, so the fused path tracks it closely. Everything else accumulates in fp32. Attention
-// scores stay fp32 (the reference rounds its bmm scores to bf16; SDPA, used for prefill, does
+// scores stay fp32 (the reference rounds its bmm scores to bf16; SDPA, its prefill path, does
 // not); softmax is fp32, its numerators are rounded to bf16 for P @ V in bf16 models (as the
 // reference rounds its probabilities to v's dtype), and the output is normalised once at the end.
 // K and V written into the cache equal the reference's bit for bit. See attend_group for the
@@ -432,7 +434,8 @@ VS_AVX512 inline void prefetch_keys(const T* kb, const T* vb, const AttnShape& s
 // All queries of KV head `kv` of row `b`: heads kv * G .. kv * G + G - 1 at the m positions.
 template <class T>
 VS_AVX512 void attend_group(const AttnShape& s, const T* qkv, const T* cos, const T* sin, const int64_t* pos,
-                            const T* kc, const T* vc, T* out, int64_t b, int64_t kv) {
+                            const T* kc, const T* vc, T* out, int64_t b, int64_t kv, int64_t chunk,
+                            int64_t n_chunks) {
   using Word = typename Attn<T>::Word;
   const int64_t g_size = s.h / s.kv, d = s.d, m = s.m, nq = g_size * m;
   const int64_t words = d / Attn<T>::per_word;
@@ -451,8 +454,8 @@ VS_AVX512 void attend_group(const AttnShape& s, const T* qkv, const T* cos, cons
   alignas(64) float sums[16];
   const __m512 scale = _mm512_set1_ps(s.scale);
 
-  for (int64_t q0 = 0; q0 < nq; q0 += QB) {
-    const int64_t nb = std::min(QB, nq - q0);
+  for (int64_t blk = chunk; blk * QB < nq; blk += n_chunks) {  // every n_chunks-th block of QB queries
+    const int64_t q0 = blk * QB, nb = std::min(QB, nq - q0);
     int64_t n_blk = 0;
     std::fill(qt.begin(), qt.end(), Word(0));
     for (int r = 0; r < 16; ++r) n_of[r] = 0;
@@ -467,7 +470,7 @@ VS_AVX512 void attend_group(const AttnShape& s, const T* qkv, const T* cos, cons
     }
     // Scores, KB keys at a time (keys past n_blk read key n_blk - 1 again; never used).
     for (int64_t j0 = 0; j0 < n_blk; j0 += KB) {
-      if (q0 == 0) prefetch_keys(kb, vb, s, std::min(n_blk, j0 + PF), std::min(n_blk, j0 + PF + KB));
+      if (blk == chunk) prefetch_keys(kb, vb, s, std::min(n_blk, j0 + PF), std::min(n_blk, j0 + PF + KB));
       const T* kp[KB];
       for (int t = 0; t < KB; ++t) kp[t] = kb + std::min(j0 + t, n_blk - 1) * s.ks[2];
       scores_block(qt.data(), kp, d, scale, scores.data() + j0 * QB);
@@ -536,10 +539,20 @@ void attend_impl(const AttnShape& s, const T* qkv, const T* cos, const T* sin, c
     for (int64_t i = 0; i < s.m; ++i) n = std::max(n, std::min(s.kv_len, pos[b * s.m + i] + 1));
     work += n * s.h * s.m * s.d * 2;
   }
-  const int64_t tasks = s.b * s.kv;
-  const int64_t grain = work < (1 << 17) ? tasks : 1;
-  at::parallel_for(0, tasks, grain, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) attend_group(s, qkv, cos, sin, pos, kc, vc, out, t / s.kv, t % s.kv);
+  // Fewer (row, KV head) pairs than threads (a prefill of one row on a many-core CPU): each pair's
+  // query blocks are dealt out round-robin over a few tasks, so that the causal work (later queries
+  // see more keys) spreads evenly. Blocks are the same whatever the split, and so are the results.
+  const int64_t groups = s.b * s.kv;
+  const int64_t blocks = (s.h / s.kv * s.m + QB - 1) / QB;
+  const int64_t threads = at::get_num_threads();
+  const bool fork = work >= (1 << 17);
+  const int64_t n_chunks = fork ? std::max<int64_t>(1, std::min(blocks, (threads + groups - 1) / groups)) : 1;
+  const int64_t tasks = groups * n_chunks;
+  at::parallel_for(0, tasks, fork ? 1 : tasks, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t g = t / n_chunks;
+      attend_group(s, qkv, cos, sin, pos, kc, vc, out, g / s.kv, g % s.kv, t % n_chunks, n_chunks);
+    }
   });
 }
 

@@ -13,9 +13,11 @@ On CPUs that run :mod:`verispec.kernels` (models built with ``kernels="auto"``),
 verification steps (m <= SMALL_M, eager, fp32/bf16) run fused ops instead of the modules' Python
 forwards: RMSNorm, residual add + next RMSNorm, RoPE + K/V cache write + attention and silu * up
 are one call each (a step of a small model is otherwise a few hundred tiny aten ops). Longer
-forwards (prefill) keep the modules' attention (SDPA) and projections but run the row-wise fused
-ops (norms, residual adds, silu * up) between them. The Python path below stays the reference and
-the fallback (torch.compile, other devices, models built with kernels="stock").
+forwards (prefill) keep the modules' projections (whose large-M path expands the weights for
+oneDNN) and run the same fused norms, residual adds, silu * up and attention between them (the
+fused attention is 4-5x faster than SDPA's CPU flash kernel on a causal prefill here). The Python
+path below stays the reference and the fallback (torch.compile, other devices, models built with
+kernels="stock", head sizes the fused attention does not take).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from verispec.models.linear import (
     QuantizedTensor,
     WeightScratch,
     make_linear,
+    small_m_call,
 )
 
 
@@ -178,13 +181,13 @@ class Transformer(nn.Module):
         x = self.embed(tokens)
         if self._use_fused(x, cache):
             return self._forward_fused(x, positions, cache, kv_len, rows, last_only, n_layers, head)
+        if self._use_fused_elementwise(x):
+            return self._forward_prefill(x, positions, cache, kv_len, rows, last_only, n_layers, head)
         cos = self.rope_cos[positions].unsqueeze(1)
         sin = self.rope_sin[positions].unsqueeze(1)
         a = self.args
         write = (torch.arange(b, device=tokens.device)[:, None].expand(b, m), positions)
         mask = self._mask(positions, kv_len)
-        if self._use_fused_elementwise(x):
-            return self._forward_prefill(x, cos, sin, write, mask, cache, kv_len, rows, last_only, n_layers, head)
         whole = rows == slice(None)  # no view of the cache: a compiled forward writes into it in place
         for i, layer in enumerate(self.layers[: n_layers or a.n_layers]):
             k, v = (cache.k[i], cache.v[i]) if whole else (cache.k[i][rows], cache.v[i][rows])
@@ -195,35 +198,54 @@ class Transformer(nn.Module):
 
     def _use_fused(self, x: torch.Tensor, cache: KVCache) -> bool:
         """Whether this forward runs :mod:`verispec.kernels`' fused small ops (decode/verification on a CPU)."""
-        return (self.fused_ops and not torch.compiler.is_compiling() and x.shape[1] <= SMALL_M
-                and x.device.type == "cpu" and fast_kernels.attend_applies(self.args.head_dim, x.dtype)
+        return x.shape[1] <= SMALL_M and self._fused_attention(x, cache)
+
+    def _fused_attention(self, x: torch.Tensor, cache: KVCache) -> bool:
+        """Whether :func:`verispec.kernels.attend` takes this forward's attention (any number of tokens)."""
+        return (self.fused_ops and not torch.compiler.is_compiling() and x.device.type == "cpu"
+                and fast_kernels.attend_applies(self.args.head_dim, x.dtype)
                 and cache.k[0].dtype == x.dtype and cache.k[0].device.type == "cpu")
 
     def _use_fused_elementwise(self, x: torch.Tensor) -> bool:
-        """Whether a forward of more than SMALL_M tokens per row (a prefill: the Python path, SDPA attention)
-        runs its RMSNorms, residual adds and silu * up through the fused row-wise ops. Those are
+        """Whether a forward of more than SMALL_M tokens per row (a prefill) runs :meth:`_forward_prefill`:
+        its RMSNorms, residual adds and silu * up through the fused row-wise ops. Those are
         parallel over rows and replace ~8 aten ops per norm (~0.25 s of a 900-token prefill of a 1.5B
         model). Only above SMALL_M: a decode or verification step that falls back to the Python path
         (e.g. a head size the fused attention does not take) keeps exactly the ops it has always run."""
         return (self.fused_ops and not torch.compiler.is_compiling() and x.shape[1] > SMALL_M
                 and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16))
 
-    def _forward_prefill(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                         write: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor, cache: KVCache, kv_len: int,
-                         rows: slice, last_only: bool, n_layers: int | None, head: nn.Module | None) -> torch.Tensor:
-        """:meth:`forward`'s Python path (modules' attention and projections) with the fused row-wise
-        ops between them, chained as in :meth:`_forward_fused`: norm -> attention -> add + norm -> gate/up
-        -> silu * up -> down -> add + the next norm (the final norm after the last layer). The projections
-        get [B, m, .] inputs, so they see the tokens per row (see verispec.models.linear.large_m)."""
+    def _forward_prefill(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache, kv_len: int, rows: slice,
+                         last_only: bool, n_layers: int | None, head: nn.Module | None) -> torch.Tensor:
+        """:meth:`forward` for more than SMALL_M tokens per row (a prefill) with the fused ops, chained as in
+        :meth:`_forward_fused`: norm -> attention -> add + norm -> gate/up -> silu * up -> down -> add + the
+        next norm (the final norm after the last layer). The projections get [B, m, .] inputs, so they see
+        the tokens per row (see verispec.models.linear.large_m). Attention is :func:`verispec.kernels.attend`
+        where it applies (4-5x faster than SDPA's CPU flash kernel on a causal prefill of a few hundred
+        tokens here, see docs/quantization.md); else the modules' own attention (SDPA)."""
         b, m, dim = x.shape
         res = x.reshape(b * m, dim)  # the residual stream (a fresh embedding lookup), updated in place
         layers = self.layers[: n_layers or self.args.n_layers]
         whole = rows == slice(None)
+        kv_len = int(kv_len)
+        if self._fused_attention(x, cache):
+            cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+
+            def attention(attn: Attention, h: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+                o = fast_kernels.attend(attn.wqkv(h), cos, sin, positions, k, v, kv_len, attn.n_heads, attn.n_kv_heads)
+                return attn.wo(o)
+        else:
+            cos, sin = self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1)
+            write = (torch.arange(b, device=x.device)[:, None].expand(b, m), positions)
+            mask = self._mask(positions, kv_len)
+
+            def attention(attn: Attention, h: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+                return attn(h, cos, sin, k, v, write, kv_len, mask)
         first = layers[0].attn_norm if len(layers) else self.norm
         h = fast_kernels.rms_norm(res, first.weight, first.eps)
         for i, layer in enumerate(layers):
             k, v = (cache.k[i], cache.v[i]) if whole else (cache.k[i][rows], cache.v[i][rows])
-            a = layer.attn(h.view(b, m, dim), cos, sin, k, v, write, kv_len, mask)
+            a = attention(layer.attn, h.view(b, m, dim), k, v)
             h = fast_kernels.add_rms_norm(res, a.reshape(b * m, dim), layer.mlp_norm.weight, layer.mlp_norm.eps)
             mlp = layer.mlp
             act = fast_kernels.silu_mul(mlp.w_gate_up(h.view(b, m, dim)).reshape(b * m, -1))
@@ -251,12 +273,13 @@ class Transformer(nn.Module):
         for i, layer in enumerate(layers):
             attn, mlp = layer.attn, layer.mlp
             k, v = (cache.k[i], cache.v[i]) if whole else (cache.k[i][rows], cache.v[i][rows])
-            o = fast_kernels.attend(attn.wqkv(h).view(b, m, -1), cos, sin, positions, k, v, kv_len,
+            o = fast_kernels.attend(small_m_call(attn.wqkv, h).view(b, m, -1), cos, sin, positions, k, v, kv_len,
                                     attn.n_heads, attn.n_kv_heads)
-            h = fast_kernels.add_rms_norm(x, attn.wo(o.view(b * m, -1)), layer.mlp_norm.weight, layer.mlp_norm.eps)
+            h = fast_kernels.add_rms_norm(x, small_m_call(attn.wo, o.view(b * m, -1)), layer.mlp_norm.weight,
+                                          layer.mlp_norm.eps)
             norm = layers[i + 1].attn_norm if i + 1 < len(layers) else self.norm
-            h = fast_kernels.add_rms_norm(x, mlp.w_down(fast_kernels.silu_mul(mlp.w_gate_up(h))), norm.weight,
-                                          norm.eps)
+            act = fast_kernels.silu_mul(small_m_call(mlp.w_gate_up, h))
+            h = fast_kernels.add_rms_norm(x, small_m_call(mlp.w_down, act), norm.weight, norm.eps)
         h = h.view(b, m, dim)
         if last_only:
             h = h[:, -1:]

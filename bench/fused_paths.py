@@ -1,0 +1,126 @@
+"""What two choices of verispec's fused forward paths save, measured on real models in one process.
+
+1. Prefill attention: ``Transformer._forward_prefill`` runs the fused ``kernels.attend`` where it
+   applies, else the modules' SDPA path. Times a prefill of random prompts of several lengths
+   from an empty cache, both ways.
+2. Decode projections: the fused decode path calls each projection through
+   ``linear.small_m_call`` (straight to the kernel) instead of ``nn.Module.__call__`` + ``forward``.
+   Times a decode step (1 token at position 100) both ways.
+
+Both ways alternate run by run; the median of ``--reps`` is reported, per model given as NAME:FORMAT.
+Usage:
+
+    python bench/fused_paths.py [--models qwen2.5-coder-1.5b-instruct:int4,...] [--lengths 128,400,800,1300]
+                                [--reps 5] [--decode-steps 40] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+import verispec.models.llama as llama
+from verispec import Engine
+from verispec.bench.runner import machine
+
+
+def prefill_s(model: llama.Transformer, length: int, fused: bool, seed: int) -> float:
+    tokens = torch.randint(0, model.args.vocab_size, (1, length), generator=torch.Generator().manual_seed(seed))
+    cache = model.new_cache(1, length)
+    if not fused:  # the instance attribute hides the method: SDPA for this call
+        model._fused_attention = lambda x, c: False
+    try:
+        t0 = time.perf_counter()
+        model(tokens, torch.arange(length)[None], cache, kv_len=length, last_only=True)
+        return time.perf_counter() - t0
+    finally:
+        if not fused:
+            del model._fused_attention
+
+
+def decode_step_s(model: llama.Transformer, steps: int, lean: bool) -> float:
+    cache = model.new_cache(1, 100 + steps)
+    token = torch.tensor([[100]])
+    call = llama.small_m_call
+    if not lean:
+        llama.small_m_call = lambda layer, x: layer(x)
+    try:
+        t0 = time.perf_counter()
+        for i in range(steps):
+            model(token, torch.tensor([[100 + i]]), cache, kv_len=101 + i)
+        return (time.perf_counter() - t0) / steps
+    finally:
+        llama.small_m_call = call
+
+
+def alternate(reps: int, run: Callable[[bool, int], float]) -> tuple[float, float]:
+    """Median seconds of ``run(True, rep)`` and ``run(False, rep)``, alternating, after one warm-up."""
+    run(True, 0)
+    times: dict[bool, list[float]] = {True: [], False: []}
+    for rep in range(reps):
+        for way in (True, False):
+            times[way].append(run(way, rep))
+    return statistics.median(times[True]), statistics.median(times[False])
+
+
+def measure(model: llama.Transformer, label: dict, lengths: list[int], reps: int,
+            steps: int) -> tuple[list[dict], dict]:
+    """One model's prefill rows (one per length) and its decode row."""
+    prefill = []
+    for n in lengths:
+        attend, sdpa = alternate(reps, lambda fused, rep, n=n: prefill_s(model, n, fused, rep))
+        prefill.append({**label, "tokens": n, "attend_s": attend, "sdpa_s": sdpa, "speedup": sdpa / attend})
+    lean, module = alternate(reps, lambda lean, rep: decode_step_s(model, steps, lean))
+    return prefill, {**label, "lean_s": lean, "module_s": module, "speedup": module / lean}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="qwen2.5-coder-1.5b-instruct:int4,qwen2.5-coder-0.5b-instruct:int4-all")
+    ap.add_argument("--lengths", default="128,400,800,1300")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--decode-steps", type=int, default=40)
+    ap.add_argument("--json", help="also write the figures here")
+    args = ap.parse_args()
+    lengths = [int(n) for n in args.lengths.split(",")]
+    prefill, decode = [], []
+    with torch.inference_mode():
+        for spec in args.models.split(","):
+            name, fmt = spec.split(":")
+            model = Engine.from_pretrained(name, dtype=args.dtype, weights=fmt, max_len=max(lengths),
+                                           progress=False).target
+            if not model.fused_ops:
+                raise SystemExit(f"{name}: verispec's fused ops do not run on this machine; nothing to compare")
+            rows, row = measure(model, {"model": name, "weights": fmt}, lengths, args.reps, args.decode_steps)
+            prefill += rows
+            decode.append(row)
+            del model
+            gc.collect()
+    info = machine()
+    print(f"\nverispec's fused forward paths, {args.dtype}, median of {args.reps} alternating runs, "
+          f"{info['cpu']}, {info['threads']} threads, {info['date']}\n")
+    print("Prefill from an empty cache, attention: fused attend vs SDPA\n")
+    print("| model | weights | prompt tokens | attend ms | SDPA ms | SDPA / attend |\n|---|---|---:|---:|---:|---:|")
+    for r in prefill:
+        print(f"| {r['model']} | {r['weights']} | {r['tokens']} | {r['attend_s'] * 1e3:.0f} | {r['sdpa_s'] * 1e3:.0f} "
+              f"| {r['speedup']:.2f}x |")
+    print(f"\nDecode step (1 token, {args.decode_steps} steps from position 100), projections: small_m_call vs "
+          "module calls\n")
+    print("| model | weights | small_m_call ms | module calls ms | module / small_m_call |\n|---|---|---:|---:|---:|")
+    for r in decode:
+        print(f"| {r['model']} | {r['weights']} | {r['lean_s'] * 1e3:.2f} | {r['module_s'] * 1e3:.2f} "
+              f"| {r['speedup']:.3f}x |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"machine": info, "args": vars(args), "prefill": prefill, "decode": decode}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
