@@ -7,6 +7,10 @@
    ``linear.small_m_call`` (straight to the kernel) instead of ``nn.Module.__call__`` + ``forward``.
    Times a decode step (1 token at position 100) both ways.
 
+3. The pieces alone: one layer's attention of a causal prefill (RoPE, K/V write and attention; the
+   1.5B's 12 query / 2 KV heads of 128) through ``attend`` vs the Python path with SDPA, and one
+   call of a small int4 projection (256 x 256, one row) through ``small_m_call`` vs the module.
+
 Both ways alternate run by run; the median of ``--reps`` is reported, per model given as NAME:FORMAT.
 Usage:
 
@@ -24,10 +28,12 @@ import time
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
 import verispec.models.llama as llama
-from verispec import Engine
+from verispec import Engine, kernels
 from verispec.bench.runner import machine
+from verispec.models import linear
 
 
 def prefill_s(model: llama.Transformer, length: int, fused: bool, seed: int) -> float:
@@ -57,6 +63,40 @@ def decode_step_s(model: llama.Transformer, steps: int, lean: bool) -> float:
         return (time.perf_counter() - t0) / steps
     finally:
         llama.small_m_call = call
+
+
+def attention_s(length: int, fused: bool, seed: int, heads: int = 12, kv_heads: int = 2, d: int = 128) -> float:
+    """One layer's prefill attention on random bf16 inputs: ``kernels.attend`` or llama.Attention's
+    Python path (RoPE, index_put, SDPA in its causal form), as the prefill runs each."""
+    g = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(1, length, (heads + 2 * kv_heads) * d, generator=g).to(torch.bfloat16)
+    cos, sin = llama.rope_tables(d, 1e6, length, torch.bfloat16)
+    pos = torch.arange(length)[None]
+    k_cache = torch.zeros(1, kv_heads, length, d, dtype=torch.bfloat16)
+    v_cache = torch.zeros_like(k_cache)
+    t0 = time.perf_counter()
+    if fused:
+        kernels.attend(qkv, cos[pos], sin[pos], pos, k_cache, v_cache, length, heads, kv_heads)
+    else:
+        q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+        c, s = cos[pos].unsqueeze(1), sin[pos].unsqueeze(1)
+        q = llama.apply_rope(q.view(1, length, heads, d).transpose(1, 2), c, s)
+        k_cache[0, :, :length] = llama.apply_rope(k.view(1, length, kv_heads, d).transpose(1, 2), c, s)[0]
+        v_cache[0, :, :length] = v.view(length, kv_heads, d).transpose(0, 1)
+        F.scaled_dot_product_attention(q, k_cache, v_cache, is_causal=True, enable_gqa=True)
+    return time.perf_counter() - t0
+
+
+def call_s(layer: torch.nn.Module, x: torch.Tensor, lean: bool, calls: int = 2000) -> float:
+    """Seconds per call of ``layer`` on ``x``: through ``small_m_call`` or the module."""
+    t0 = time.perf_counter()
+    if lean:
+        for _ in range(calls):
+            linear.small_m_call(layer, x)
+    else:
+        for _ in range(calls):
+            layer(x)
+    return (time.perf_counter() - t0) / calls
 
 
 def alternate(reps: int, run: Callable[[bool, int], float]) -> tuple[float, float]:
@@ -103,6 +143,14 @@ def main() -> None:
             decode.append(row)
             del model
             gc.collect()
+        pieces = []
+        for n in lengths:
+            attend, sdpa = alternate(args.reps, lambda fused, rep, n=n: attention_s(n, fused, rep))
+            pieces.append({"what": f"prefill attention, one layer, {n} tokens", "fused_s": attend, "python_s": sdpa})
+        small = linear.make_linear(torch.randn(256, 256), None, "int4", torch.bfloat16)
+        x = torch.randn(1, 256, dtype=torch.bfloat16)
+        lean, module = alternate(args.reps, lambda lean, rep: call_s(small, x, lean))
+        pieces.append({"what": "int4 projection 256 x 256, one row, per call", "fused_s": lean, "python_s": module})
     info = machine()
     print(f"\nverispec's fused forward paths, {args.dtype}, median of {args.reps} alternating runs, "
           f"{info['cpu']}, {info['threads']} threads, {info['date']}\n")
@@ -117,9 +165,15 @@ def main() -> None:
     for r in decode:
         print(f"| {r['model']} | {r['weights']} | {r['lean_s'] * 1e3:.2f} | {r['module_s'] * 1e3:.2f} "
               f"| {r['speedup']:.3f}x |")
+    print("\nThe pieces alone (fused: attend / small_m_call; Python: SDPA path / module call)\n")
+    print("| what | fused us | Python us | Python / fused |\n|---|---:|---:|---:|")
+    for r in pieces:
+        print(f"| {r['what']} | {r['fused_s'] * 1e6:.1f} | {r['python_s'] * 1e6:.1f} | "
+              f"{r['python_s'] / r['fused_s']:.2f}x |")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"machine": info, "args": vars(args), "prefill": prefill, "decode": decode}, f, indent=2)
+            json.dump({"machine": info, "args": vars(args), "prefill": prefill, "decode": decode, "pieces": pieces}, f,
+                      indent=2)
 
 
 if __name__ == "__main__":
