@@ -226,7 +226,9 @@ def main() -> None:
         here = [m for m in modes if m != ALONE or c == 1]
         runs: dict[str, list[dict[str, Any]]] = {m: [] for m in here}
         for rep in range(args.repeats):
-            for mode in here:  # alternating, so a slow spell of the host hits every mode alike
+            # Alternating, so a slow spell of the host hits every mode alike; every other repeat in
+            # reverse order, so a steady drift of the host does not always favour the mode run first.
+            for mode in (here if rep % 2 == 0 else here[::-1]):
                 if rep and mode in once:
                     continue
                 r = one_at_a_time(engine, prompts, params, specs[mode]) if mode == ALONE else \
@@ -250,8 +252,9 @@ def main() -> None:
               + (f"; {ALONE} = the single-request engine with the cost policy, one request at a time." if ALONE in modes
                  else "."))
     if args.repeats > 1:
-        header += (f" {args.repeats} runs per concurrency and mode, modes alternating: each row is the run of "
-                   "median throughput; vs plain is the median of the per-repeat ratios (range in brackets).")
+        header += (f" {args.repeats} runs per concurrency and mode, modes alternating (in reverse order every "
+                   "other repeat): each row is the run of median throughput; vs plain is the median of the "
+                   "per-repeat ratios (range in brackets).")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "concurrency.md").write_text(markdown(rows, header))
     (args.out / "concurrency.json").write_text(json.dumps(

@@ -43,6 +43,11 @@ def test_repeats_report_medians_and_paired_ratios(tmp_path, qwen2_tiny, qwen2_no
             assert x["vs_plain_runs"] == pytest.approx(expected)
     md = (out / "concurrency.md").read_text()
     assert "2 runs per concurrency and mode" in md
+    # Every other repeat runs the modes in reverse order (a drifting host favours no mode).
+    order = [line.split()[1:5] for line in r.stdout.splitlines() if line.startswith("C=")]  # C, mode, "run", n
+    assert [(m, n) for c, m, _, n in order if c == "1"] == [
+        ("plain", "1/2"), ("fixed", "1/2"), ("policy", "1/2"), ("alone", "1/2"),
+        ("alone", "2/2"), ("policy", "2/2"), ("plain", "2/2")]
 
 
 def test_bad_repeat_options_are_refused(tmp_path):
