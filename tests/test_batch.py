@@ -320,6 +320,25 @@ def test_policy_keeps_a_row_plain_when_its_draft_catch_up_cannot_pay_back():
     assert costs.catch_up_per_token_s == pytest.approx(0.005 + 0.1 * (0.001 - 0.005))
 
 
+def test_a_catch_up_is_weighed_against_the_batch_the_joining_rows_make():
+    # Drafting pays for one or two rows but not for eight (compute_bound()). A row whose draft must
+    # first read its prompt catches up when alone, but not when seven more rows are about to join
+    # (prefilling, or waiting for a slot): the full batch will decode plainly, and the read would
+    # never be won back.
+    costs = compute_bound()
+    costs.catch_up_per_token_s = 1e-5
+    policy = BatchPolicy(costs, probe_every=1000)
+
+    def row(catch_up: int = 100) -> RowPlan:
+        return RowPlan(cap=5, acceptance=0.8, catch_up=catch_up, horizon=40)
+
+    alone, crowded, few, ready = row(), row(), row(), row(catch_up=0)
+    assert policy.choose([alone]) > 0 and alone.cap == 5
+    assert policy.choose([crowded], joining=7) == 0 and crowded.cap == 0
+    assert policy.choose([few], joining=1) > 0 and few.cap == 5  # two rows still pay
+    assert policy.choose([ready], joining=7) > 0 and ready.cap == 5  # nothing to win back: drafts meanwhile
+
+
 def test_cost_curve_learns_between_profiled_points_only():
     curve = CostCurve({1: 1.0, 5: 2.0}, smoothing=0.5)
     curve.observe(4, 2.75)  # read 1.75 there: an error of 1.0, shared 1/4 : 3/4 by the neighbours

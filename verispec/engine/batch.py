@@ -536,7 +536,9 @@ class BatchEngine:
         policy_k = None
         if any(p.acceptance is not None for p in plans):
             span = max(r.slot for r in rows) - min(r.slot for r in rows) + 1
-            policy_k = self._policy(stepping).choose(plans, span)
+            # Rows admitted but still prefilling, and waiting ones a free slot will take, join soon.
+            joining = sum(not r.prefilled for r in self._running.values()) + min(self.num_waiting, self.free_slots)
+            policy_k = self._policy(stepping).choose(plans, span, joining)
             for req, plan in zip(stepping, plans, strict=True):
                 if plan.acceptance is not None:
                     req.row.k = min(policy_k, plan.cap)
