@@ -229,9 +229,8 @@ class BatchPolicy:
         saved = self._saving(plans, span, k)
         if joining > 0 and saved > 0:
             governed = [p for p in plans if p.acceptance is not None]
-            typical = RowPlan(max(p.cap for p in governed), sum(p.acceptance for p in governed) / len(governed))
-            future = [RowPlan(p.cap, p.acceptance, p.fixed_k, p.model_draft) for p in plans]
-            future += [RowPlan(typical.cap, typical.acceptance) for _ in range(joining)]
+            cap, a = max(p.cap for p in governed), sum(p.acceptance for p in governed) / len(governed)
+            future = plans + [RowPlan(cap, a)] * joining  # read only, never changed
             future_span = (span or len(plans)) + joining
             k_future = self._best_k(future, future_span)
             saved = min(saved, self._saving(future, future_span, k_future)) if k_future > 0 else 0.0
