@@ -311,13 +311,32 @@ def test_policy_keeps_a_row_plain_when_its_draft_catch_up_cannot_pay_back():
     cheap = BatchPolicy(BatchCostModel(costs.target, costs.draft, catch_up_per_token_s=1e-6))
     row = RowPlan(cap=5, acceptance=0.8, catch_up=3, horizon=10)
     assert cheap.choose([row]) > 0 and row.cap == 5
-    # A probe (poor acceptance keeps the batch plain) takes only rows whose draft is caught up.
+    # A probe (poor acceptance keeps the batch plain) takes a row whose draft must catch up only if
+    # perfect acceptance would win the read back: at k = 2 three rows save 0.02 s per token, which
+    # pays 2.51 s over 1000 tokens but not over 50.
     prober = BatchPolicy(costs, probe_every=1)
-    far, near = RowPlan(cap=5, acceptance=0.01, catch_up=500, horizon=1000), RowPlan(cap=5, acceptance=0.01)
-    assert prober.choose([far, near]) == prober.probe_k and (far.cap, near.cap) == (0, 5)
+    far, short, near = (RowPlan(cap=5, acceptance=0.01, catch_up=500, horizon=1000),
+                        RowPlan(cap=5, acceptance=0.01, catch_up=500, horizon=50), RowPlan(cap=5, acceptance=0.01))
+    assert prober.choose([far, short, near]) == prober.probe_k and (far.cap, short.cap, near.cap) == (5, 0, 5)
     # Measured catch-ups: what exceeds one one-row forward each is charged per token read.
     costs.observe_catch_up(count=2, tokens=100, seconds=2 * 0.01 + 0.1)
     assert costs.catch_up_per_token_s == pytest.approx(0.005 + 0.1 * (0.001 - 0.005))
+
+
+def test_a_lone_row_that_went_plain_is_probed_again():
+    # Once plain, a lone row's draft always lags (it did not read what plain steps generated). The
+    # probe takes it when perfect acceptance would win that read back, as CostK probes a request;
+    # keeping it out locked one client into plain decoding for the rest of its request.
+    costs = BatchCostModel(CostCurve({1: 0.1, 64: 0.1}, smoothing=0), CostCurve({1: 0.01}, smoothing=0),
+                           catch_up_per_token_s=0.005)
+    policy = BatchPolicy(costs, probe_every=2)
+    lagging = [RowPlan(cap=5, acceptance=0.1, catch_up=8, horizon=100) for _ in range(2)]
+    assert [policy.choose([p]) for p in lagging] == [0, policy.probe_k] and lagging[1].cap == 5
+    # A read that even perfect acceptance cannot win back: no probe (it would learn nothing), and
+    # the wait for the next one does not grow.
+    hopeless = BatchPolicy(costs, probe_every=2)
+    assert [hopeless.choose([RowPlan(cap=5, acceptance=0.1, catch_up=500, horizon=20)]) for _ in range(6)] == [0] * 6
+    assert hopeless.probes.gap == 2
 
 
 def test_a_catch_up_is_weighed_against_the_batch_the_joining_rows_make():

@@ -152,8 +152,9 @@ class BatchPolicy:
 
     While k = 0 nothing is learned about acceptance, so after ``probe_every`` plain steps a
     ``probe_k`` step runs, but only if speculation could pay at all: when even perfect acceptance
-    loses (compute-bound), probing would only waste compute. Probes that change nothing come ever
-    more rarely (:class:`~verispec.engine.policy.ProbeSchedule`).
+    loses (compute-bound), probing would only waste compute. A row whose draft must first catch up
+    joins a probe only if perfect acceptance would win the catch-up back. Probes that change
+    nothing come ever more rarely (:class:`~verispec.engine.policy.ProbeSchedule`).
     """
 
     costs: BatchCostModel
@@ -199,55 +200,63 @@ class BatchPolicy:
                 # A probe can only show speculation paying if perfect acceptance would clear the same
                 # margin the choice demands; a near-tie (a compute-bound batch) would never turn into a
                 # chosen k, so its probes would be pure cost.
-                if probe and self.goodput(plans, probe, span, optimistic=True) >= \
-                        (1.0 + self.min_gain) * self.goodput(plans, 0, span):
-                    # A probe is a cheap look at acceptance: rows whose draft would first have to read
-                    # what they generated while plain stay out (such a catch-up is a forward of its own
-                    # per row, dearer than what one probe step can learn). New rows still bring the
-                    # acceptance their drafter showed on earlier requests.
-                    for p in plans:
-                        if p.must_catch_up:
-                            p.cap = 0
-                    k = probe
-                    self.probes.ran()
+                if probe and self._pays(plans, span, probe, optimistic=True):
+                    # A row whose draft must first read what it generated while plain (or its prompt)
+                    # joins only if perfect acceptance would win that read back, as CostK probes one
+                    # request. Keeping every such row out locked a lone request into plain decoding:
+                    # once plain, its draft always lags, so no probe ever took it again. A probe that
+                    # would take no row learns nothing: it does not run, and the wait does not grow.
+                    self._exclude_unpaid_catch_ups(plans, span, probe, joining, optimistic=True)
+                    if any(p.cap > 0 for p in plans if p.acceptance is not None):
+                        k = probe
+                        self.probes.ran()
         else:
             self.probes.speculating()
         self.chosen[k] = self.chosen.get(k, 0) + 1
         return k
 
-    def _exclude_unpaid_catch_ups(self, plans: list[RowPlan], span: int | None, k: int, joining: int = 0) -> bool:
+    def _exclude_unpaid_catch_ups(self, plans: list[RowPlan], span: int | None, k: int, joining: int = 0,
+                                  optimistic: bool = False) -> bool:
         """Set ``cap = 0`` for rows whose catch-up the saving at ``k`` cannot win back; True if any.
 
         With rows ``joining``, the saving is the smaller of today's and the one of the batch they
         will make (more rows: maybe none at all). Without that, a busy server's first steps after
         a burst of arrivals, taken while most rows still prefill, looked like a small batch where
         speculation pays: rows caught up, and a few steps later the full batch decoded plainly
-        and never won those reads back (1-4% of throughput at 8 clients, measured).
+        and never won those reads back (1-4% of throughput at 8 clients, measured). ``optimistic``
+        prices the saving at perfect acceptance (a probe's bound), at ``k`` for the future batch too.
         """
         if self.costs.draft is None:
             return False
-        saved = self._saving(plans, span, k)
+        saved = self._saving(plans, span, k, optimistic)
         if joining > 0 and saved > 0:
             governed = [p for p in plans if p.acceptance is not None]
             cap, a = max(p.cap for p in governed), sum(p.acceptance for p in governed) / len(governed)
             future = plans + [RowPlan(cap, a)] * joining  # read only, never changed
             future_span = (span or len(plans)) + joining
-            k_future = self._best_k(future, future_span)
-            saved = min(saved, self._saving(future, future_span, k_future)) if k_future > 0 else 0.0
+            if optimistic:
+                k_future = k if self._pays(future, future_span, k, optimistic=True) else 0
+            else:
+                k_future = self._best_k(future, future_span)
+            saved = min(saved, self._saving(future, future_span, k_future, optimistic)) if k_future > 0 else 0.0
         excluded = False
         for p in plans:
             if p.must_catch_up and p.horizon is not None and saved * p.horizon <= self.costs.catch_up_s(p.catch_up):
                 p.cap, excluded = 0, True
         return excluded
 
-    def _saving(self, plans: list[RowPlan], span: int | None, k: int) -> float:
+    def _saving(self, plans: list[RowPlan], span: int | None, k: int, optimistic: bool = False) -> float:
         """Predicted seconds per token that drafting ``k`` saves over plain decoding, per row."""
-        return self.costs.step_s(span or len(plans), 0) / len(plans) - 1.0 / self.goodput(plans, k, span)
+        return self.costs.step_s(span or len(plans), 0) / len(plans) - 1.0 / self.goodput(plans, k, span, optimistic)
+
+    def _pays(self, plans: list[RowPlan], span: int | None, k: int, optimistic: bool = False) -> bool:
+        """Whether drafting ``k`` is predicted to beat plain decoding by the margin a choice demands."""
+        return self.goodput(plans, k, span, optimistic) >= (1.0 + self.min_gain) * self.goodput(plans, 0, span)
 
     def _best_k(self, plans: list[RowPlan], span: int | None) -> int:
         k_max = max(p.cap for p in plans if p.acceptance is not None)
         k = max(range(k_max + 1), key=lambda k: (self.goodput(plans, k, span), -k))
-        return k if self.goodput(plans, k, span) >= (1.0 + self.min_gain) * self.goodput(plans, 0, span) else 0
+        return k if self._pays(plans, span, k) else 0
 
 
 @torch.inference_mode()
