@@ -23,6 +23,7 @@ from verispec.drafters.model import ModelDrafter
 from verispec.drafters.vocab import DraftVocab, linear_rows, prefix_linear, special_token_ids
 from verispec.engine.batch import BatchEngine
 from verispec.engine.batch_draft import BatchDraftModel, DraftRow
+from verispec.kernels import use_fast
 from verispec.models.linear import make_linear
 from verispec.models.loader import build_model, open_source
 
@@ -117,7 +118,10 @@ def test_subset_head_logits(folders, tie, fmt):
     inside[extra] = True
     assert torch.isneginf(cut[..., ~inside]).all()
     assert torch.equal(cut[..., :N], full[..., :N])
-    torch.testing.assert_close(cut[..., extra], full[..., extra], **EXTRA_TOL[dtype])
+    # PyTorch's stock int4 kernel takes bf16 activations (verispec's kernel takes fp32 ones), so
+    # there the full head rounds like a bf16 model whatever the model's dtype.
+    bf16_head = name == "int4" and not use_fast(kernels)
+    torch.testing.assert_close(cut[..., extra], full[..., extra], **EXTRA_TOL[torch.bfloat16 if bf16_head else dtype])
     assert torch.isfinite(cut[..., inside]).all()
 
 

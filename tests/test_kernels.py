@@ -670,6 +670,7 @@ def test_the_kernels_compile(fmt):
     assert torch.equal(compiled(x), lin(x))
 
 
+@fast_only
 def test_a_model_shares_one_weight_scratch(int4_models, monkeypatch):
     # The large-M path expands weights into one buffer per model (reused, so no page faults per call),
     # bounded by the largest expanded weight, not one per layer.
