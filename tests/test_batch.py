@@ -439,6 +439,26 @@ def test_background_runner_with_submitters_on_many_threads(engine, reference):
     assert be.free_slots == 3 and be.kv_used_tokens == 0
 
 
+def test_submit_and_cancel_get_in_ahead_of_a_busy_runner(engine):
+    # A runner stepping back to back must not keep other threads waiting for its lock: each
+    # submit and cancel returns within the step in progress (Python's locks are not fair).
+    be = BatchEngine(engine, max_batch=2)
+    long = [be.submit(PROMPTS[i], SamplingParams(max_tokens=MAX_LEN - 20, ignore_eos=True)) for i in (0, 4)]
+    be.start()
+    try:
+        waited = []
+        for _ in range(20):
+            before = be.stats.steps
+            handle = be.submit(PROMPTS[1], SamplingParams(max_tokens=4))
+            handle.cancel()
+            waited.append(be.stats.steps - before)
+        assert all(not h.done for h in long), "the long requests ran out before the check ended"
+    finally:
+        be.stop(cancel=True)
+    assert max(waited) <= 2, waited  # the step in progress at each call, nothing more
+    assert be.free_slots == 2 and be.kv_used_tokens == 0
+
+
 async def _collect(handle) -> list[list[int]]:
     return [chunk async for chunk in handle]
 

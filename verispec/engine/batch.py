@@ -22,6 +22,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -265,6 +266,8 @@ class BatchEngine:
         self._by_handle: dict[RequestHandle, _Request] = {}  # every request not finished yet
         self._ids = itertools.count()
         self._lock = threading.RLock()  # one step at a time; submit/cancel from any thread
+        self._callers = 0  # threads other than the runner waiting for the lock (see _exclusive)
+        self._callers_lock = threading.Lock()
         self._work = threading.Event()
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -336,7 +339,7 @@ class BatchEngine:
         ids = self.engine.encode(prompt, chat)
         self.scheduler.check(len(ids) + params.max_tokens)
         self._check_spec(spec)
-        with self._lock:
+        with self._exclusive():
             if self._failed is not None:
                 raise VerispecError(f"the batch engine stopped after an error: {self._failed!r}")
             handle = RequestHandle(self, next(self._ids), ids)
@@ -348,7 +351,7 @@ class BatchEngine:
 
     def cancel(self, handle: RequestHandle) -> bool:
         """Cancel ``handle``'s request: its slot and KV tokens are free when this returns."""
-        with self._lock:
+        with self._exclusive():
             req = self._by_handle.get(handle)
             if req is None or req.done:
                 return False
@@ -420,13 +423,13 @@ class BatchEngine:
             self._thread.join()
             self._thread = None
         if cancel:
-            with self._lock:
+            with self._exclusive():
                 for req in list(self._by_handle.values()):
                     self.cancel(req.handle)
 
     def profile(self, k_max: int = 8, context: int = 64) -> BatchCostModel:
         """Measure the cost curves the concurrency-aware policy uses (done on first use otherwise)."""
-        with self._lock:
+        with self._exclusive():
             self.costs = profile_costs(self.target, self.draft, self.slots, k_max, context)
             self.policy = BatchPolicy(self.costs)
             logger.info("batch costs: target %s, draft %s", _fmt(self.costs.target.points),
@@ -435,6 +438,8 @@ class BatchEngine:
 
     def _loop(self) -> None:
         while not self._stopping:
+            while self._callers:  # let a submit or cancel in before the next step (see _exclusive)
+                time.sleep(1e-4)
             self._work.clear()
             try:
                 busy = self.step()
@@ -444,6 +449,27 @@ class BatchEngine:
                 self._work.wait(0.5)
 
     # -- internals ------------------------------------------------------------------------
+
+    @contextmanager
+    def _exclusive(self) -> Iterator[None]:
+        """The engine's lock for a caller other than the runner, taken ahead of the runner's next step.
+
+        Python's locks are not fair: a runner that releases the lock and takes it again for its
+        next step can keep a submitter or canceller waiting for many steps (a cancel issued right
+        after submit found the request already finished at its 50-token limit). Waiting callers
+        are counted, and the runner lets them in before it steps again.
+        """
+        with self._callers_lock:
+            self._callers += 1
+        try:
+            self._lock.acquire()
+        finally:
+            with self._callers_lock:
+                self._callers -= 1
+        try:
+            yield
+        finally:
+            self._lock.release()
 
     def _check_spec(self, spec: SpecConfig) -> None:
         if not spec.enabled:
@@ -456,7 +482,7 @@ class BatchEngine:
             # Layer-skip drafts on the target's own one-row cache.
             raise VerispecError("layer-skip drafting is not available in batched mode; use draft, ngram, "
                                 "retrieval or hybrid")
-        with self._lock:  # builds (and so validates) one drafter for this spec up front
+        with self._exclusive():  # builds (and so validates) one drafter for this spec up front
             self._drafters.release(spec, self._drafters.acquire(spec))
 
     def _start(self, req: _Request, slot: int) -> None:
