@@ -102,6 +102,15 @@ def test_cost_policy_does_not_probe_into_a_draft_prefill_it_cannot_win_back():
     assert [policy.choose(5, remaining=16, catch_up=2000) for _ in range(6)] == [0] * 6
 
 
+def test_cost_policy_probe_that_cannot_pay_stays_due_until_it_can():
+    # A probe falling due while the prompt read cannot pay back waits for a step where it can (a
+    # longer expected answer), instead of starting the whole wait over.
+    costs = CostModel(draft_s=0.01, verify_s=[0.1] * 6, catch_up_per_token_s=0.002)
+    policy = CostK(costs, k_max=5, acceptance=Acceptance(prior_a=0.1), probe_every=2)
+    assert [policy.choose(5, remaining=16, catch_up=2000) for _ in range(6)] == [0] * 6
+    assert policy.choose(5, remaining=10_000, catch_up=2000) == policy.probe_k
+
+
 def test_a_draft_prefill_does_not_count_as_draft_cost():
     costs = CostModel(draft_s=0.01, verify_s=[0.1] * 6, catch_up_per_token_s=0.001)
     policy = CostK(costs, k_max=5, acceptance=Acceptance(prior_a=0.9))

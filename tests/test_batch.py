@@ -339,6 +339,41 @@ def test_a_lone_row_that_went_plain_is_probed_again():
     assert hopeless.probes.gap == 2
 
 
+def test_a_row_the_prior_keeps_out_of_drafting_can_still_be_probed():
+    # A new request at one client: at the prior acceptance (0.6) drafting saves too little to pay
+    # for reading its 200-token prompt, so it decodes plainly; perfect acceptance would pay, so a
+    # due probe takes it. Before, the first pass had set its cap to 0 and no probe ever could.
+    costs = BatchCostModel(CostCurve({1: 0.1, 64: 0.1}, smoothing=0), CostCurve({1: 0.03}, smoothing=0),
+                           catch_up_per_token_s=0.005)
+    policy = BatchPolicy(costs, probe_every=2)
+    row = RowPlan(cap=5, acceptance=0.6, catch_up=200, horizon=40)
+    assert policy._best_k([RowPlan(cap=5, acceptance=0.6)], None) > 0  # drafting pays once caught up
+    assert policy.choose([row]) == 0 and row.cap == 0
+    row = RowPlan(cap=5, acceptance=0.6, catch_up=200, horizon=40)
+    assert policy.choose([row]) == policy.probe_k and row.cap == 5
+
+
+def test_a_probe_that_no_row_could_join_stays_due_for_the_next_request():
+    # At one client the probe wait grows past an answer's length. A probe falling due near the end
+    # of a request, whose few remaining tokens cannot win its draft's catch-up back, must wait for
+    # the next request rather than start the whole wait over: that locked one client plain for good.
+    costs = BatchCostModel(CostCurve({1: 0.1, 64: 0.1}, smoothing=0), CostCurve({1: 0.01}, smoothing=0),
+                           catch_up_per_token_s=0.005)
+    policy = BatchPolicy(costs, probe_every=4)
+    policy.probes._gap = 16  # backed off by earlier probes that changed nothing
+
+    def row(catch_up: int, horizon: int) -> RowPlan:
+        return RowPlan(cap=5, acceptance=0.1, catch_up=catch_up, horizon=horizon)
+
+    # One request's last 40 steps: its catch-up (0.01 + 100 * 0.005 s) never pays over 6 tokens (0.06 s each).
+    assert [policy.choose([row(100, 6)]) for _ in range(40)] == [0] * 40
+    # The next request, its whole answer ahead, is probed on its first step, prompt catch-up and all.
+    first = row(50, 100)
+    assert policy.choose([first]) == policy.probe_k and first.cap == 5
+    assert policy.probes.gap == 16  # the probe ran: a wait only grows if it changes nothing
+    assert policy.choose([row(1, 99)]) == 0 and policy.probes.gap == 32
+
+
 def test_a_catch_up_is_weighed_against_the_batch_the_joining_rows_make():
     # Drafting pays for one or two rows but not for eight (compute_bound()). A row whose draft must
     # first read its prompt catches up when alone, but not when seven more rows are about to join

@@ -188,6 +188,7 @@ class BatchPolicy:
         about to join the batch (admitted and still prefilling, or waiting for a free slot): the
         saving that pays a catch-up back is the one of the batch they will make.
         """
+        caps = [p.cap for p in plans]
         governed = [p.cap for p in plans if p.acceptance is not None]
         if not governed:
             return 0
@@ -196,6 +197,12 @@ class BatchPolicy:
             k = self._best_k(plans, span)
         if k == 0:
             if self.probes.due():
+                # A probe weighs each catch-up at its own, optimistic, bound: a row the expected
+                # acceptance just kept out (a new request's prior too low to pay for reading its
+                # prompt) is exactly the one a probe must be able to take, or a lone client whose
+                # prompt read never pays at the prior is never probed and never drafts.
+                for p, cap in zip(plans, caps, strict=True):
+                    p.cap = cap
                 probe = min(self.probe_k, max(governed))
                 # A probe can only show speculation paying if perfect acceptance would clear the same
                 # margin the choice demands; a near-tie (a compute-bound batch) would never turn into a
@@ -205,7 +212,8 @@ class BatchPolicy:
                     # joins only if perfect acceptance would win that read back, as CostK probes one
                     # request. Keeping every such row out locked a lone request into plain decoding:
                     # once plain, its draft always lags, so no probe ever took it again. A probe that
-                    # would take no row learns nothing: it does not run, and the wait does not grow.
+                    # would take no row learns nothing: it does not run, the wait does not grow, and
+                    # it stays due for the next step (a request arriving with its whole answer ahead).
                     self._exclude_unpaid_catch_ups(plans, span, probe, joining, optimistic=True)
                     if any(p.cap > 0 for p in plans if p.acceptance is not None):
                         k = probe

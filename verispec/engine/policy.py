@@ -197,18 +197,22 @@ class ProbeSchedule:
         return self._gap or self.every
 
     def due(self) -> bool:
-        """The policy chose plain decoding for this step: True where it should probe instead."""
+        """The policy chose plain decoding for this step: True where it should probe instead.
+
+        A due probe that does not run (:meth:`ran` not called: no request could win its draft's
+        catch-up back) stays due until one does. Starting the wait over instead locked one client
+        into plain decoding once the wait had grown past an answer's length: the probe fell due
+        late in a request, whose few remaining tokens could not pay for a probe, and the next
+        request waited the whole gap again (all 212 steps of six 48-token answers, measured).
+        """
         if self._probed:  # the last probe did not make speculation pay
             self._gap, self._probed = min(2 * self.gap, self.max_every), False
         self._streak += 1
-        if self._streak < self.gap:
-            return False
-        self._streak = 0
-        return True
+        return self._streak >= self.gap
 
     def ran(self) -> None:
         """A probe step runs now."""
-        self._probed = True
+        self._probed, self._streak = True, 0
 
     def speculating(self) -> None:
         """The policy chose to speculate."""
