@@ -203,7 +203,7 @@ class ProbeSchedule:
         catch-up back) stays due until one does. Starting the wait over instead locked one client
         into plain decoding once the wait had grown past an answer's length: the probe fell due
         late in a request, whose few remaining tokens could not pay for a probe, and the next
-        request waited the whole gap again (all 212 steps of six 48-token answers, measured).
+        request waited the whole gap again.
         """
         if self._probed:  # the last probe did not make speculation pay
             self._gap, self._probed = min(2 * self.gap, self.max_every), False
