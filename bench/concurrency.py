@@ -69,6 +69,7 @@ def closed_loop(be: BatchEngine, prompts: list[list[int]], clients: int, params:
     ttft = [h.first_token_at - h.submitted_at for h, _ in done if h.first_token_at is not None]
     return figures([r for _, r in done], wall, latency, ttft) | {
         "batch_steps": be.stats.steps, "mean_rows": be.stats.summary()["mean_rows"],
+        "catch_up_tokens": be.stats.catch_up_tokens, "catch_up_s": be.stats.catch_up_s,
         "policy_k": dict(sorted(be.stats.policy_k.items())), "width": dict(sorted(be.stats.width_steps.items()))}
 
 
@@ -119,16 +120,18 @@ def summarize(runs: dict[str, list[dict[str, Any]]], concurrency: int) -> list[d
 
 def markdown(rows: list[dict[str, Any]], header: str) -> str:
     head = (f"{header}\n\n| concurrency | mode | requests | tokens/s | vs plain | p50 latency s | p95 latency s | "
-            "p50 TTFT s | tokens/step | k chosen (k: steps) |\n|---:|---|---:|---:|---:|---:|---:|---:|---:|---|\n")
+            "p50 TTFT s | tokens/step | k chosen (k: steps) | draft catch-up s (tokens) |\n"
+            "|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---:|\n")
     lines = []
     for r in rows:
         ks = ", ".join(f"{k}: {n}" for k, n in r["policy_k"].items()) if r["mode"] in ("policy", ALONE) else \
             ", ".join(f"{w - 1}: {n}" for w, n in r["width"].items())
         ratios = r.get("vs_plain_runs", [])
+        catch_up = f"{r['catch_up_s']:.1f} ({r['catch_up_tokens']})" if "catch_up_s" in r else "-"
         spread = f" ({min(ratios):.2f}-{max(ratios):.2f})" if len(ratios) > 1 and r["mode"] != "plain" else ""
         lines.append(f"| {r['concurrency']} | {r['mode']} | {r['requests']} | {r['tokens_per_s']:.1f} | "
                      f"{r['vs_plain']:.2f}x{spread} | {r['latency_p50_s']:.2f} | {r['latency_p95_s']:.2f} | "
-                     f"{r['ttft_p50_s']:.3f} | {r['accepted_per_step']:.2f} | {ks} |")
+                     f"{r['ttft_p50_s']:.3f} | {r['accepted_per_step']:.2f} | {ks} | {catch_up} |")
     return head + "\n".join(lines) + "\n"
 
 
@@ -235,8 +238,8 @@ def main() -> None:
                     closed_loop(be, prompts, c, params, specs[mode])
                 runs[mode].append(r)
                 print(f"C={c:3d} {mode:7s} run {rep + 1}/{args.repeats} {r['tokens_per_s']:8.1f} tok/s  "
-                      f"p50 {r['latency_p50_s']:.2f}s  p95 {r['latency_p95_s']:.2f}s  k {r['policy_k'] or r['width']}",
-                      flush=True)
+                      f"p50 {r['latency_p50_s']:.2f}s  p95 {r['latency_p95_s']:.2f}s  k {r['policy_k'] or r['width']}"
+                      f"  catch-up {r.get('catch_up_s', 0.0):.1f}s", flush=True)
         rows.extend(summarize(runs, c))
 
     info = machine()

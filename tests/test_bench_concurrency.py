@@ -41,8 +41,13 @@ def test_repeats_report_medians_and_paired_ratios(tmp_path, qwen2_tiny, qwen2_no
             plain = next(p for p in rows if p["concurrency"] == x["concurrency"] and p["mode"] == "plain")
             expected = [t / p for t, p in zip(runs, plain["runs_tokens_per_s"], strict=False)]
             assert x["vs_plain_runs"] == pytest.approx(expected)
+        # What the draft model read on its own is reported: nothing plainly, every prompt at fixed k.
+        if x["mode"] == "plain":
+            assert x["catch_up_tokens"] == 0 and x["catch_up_s"] == 0
+        elif x["mode"] == "fixed":
+            assert x["catch_up_tokens"] > 0 and x["catch_up_s"] > 0
     md = (out / "concurrency.md").read_text()
-    assert "2 runs per concurrency and mode" in md
+    assert "2 runs per concurrency and mode" in md and "draft catch-up s (tokens)" in md
     # Every other repeat runs the modes in reverse order (a drifting host favours no mode).
     order = [line.split()[1:5] for line in r.stdout.splitlines() if line.startswith("C=")]  # C, mode, "run", n
     assert [(m, n) for c, m, _, n in order if c == "1"] == [

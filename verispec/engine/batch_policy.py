@@ -215,6 +215,7 @@ class BatchPolicy:
                     # would take no row learns nothing: it does not run, the wait does not grow, and
                     # it stays due for the next step (a request arriving with its whole answer ahead).
                     self._exclude_unpaid_catch_ups(plans, span, probe, joining, optimistic=True)
+                    self._one_catch_up_per_probe(plans)
                     if any(p.cap > 0 for p in plans if p.acceptance is not None):
                         k = probe
                         self.probes.ran()
@@ -252,6 +253,25 @@ class BatchPolicy:
             if p.must_catch_up and p.horizon is not None and saved * p.horizon <= self.costs.catch_up_s(p.catch_up):
                 p.cap, excluded = 0, True
         return excluded
+
+    def _one_catch_up_per_probe(self, plans: list[RowPlan]) -> None:
+        """Let a probe pay for at most one row's catch-up, and none if a caught-up row can draft.
+
+        A probe measures the drafter's acceptance, which one row shows as well as many. Letting
+        every lagging row in made each probe read all their prompts (and what they generated
+        while plain): at 8 clients, probes fired as the batch briefly shrank and cost ~5% of
+        throughput, never won back. The lagging row kept is the one that wins its read back
+        fastest (most tokens still to produce per second of catch-up).
+        """
+        if self.costs.draft is None:
+            return
+        candidates = [p for p in plans if p.acceptance is not None and p.cap > 0]
+        lagging = [p for p in candidates if p.must_catch_up]
+        if lagging and len(lagging) == len(candidates):
+            lagging.remove(max(lagging, key=lambda p: (p.horizon if p.horizon is not None else float("inf"))
+                               / max(self.costs.catch_up_s(p.catch_up), 1e-9)))
+        for p in lagging:
+            p.cap = 0
 
     def _saving(self, plans: list[RowPlan], span: int | None, k: int, optimistic: bool = False) -> float:
         """Predicted seconds per token that drafting ``k`` saves over plain decoding, per row."""

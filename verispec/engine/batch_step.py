@@ -161,6 +161,8 @@ class BatchStats:
     scored_tokens: int = 0
     prefill_tokens: int = 0
     prefill_s: float = 0.0
+    catch_up_tokens: int = 0  # context the draft model read on its own (new rows' prompts, plain stretches)
+    catch_up_s: float = 0.0
     rows_steps: dict[int, int] = field(default_factory=dict)
     width_steps: dict[int, int] = field(default_factory=dict)
     policy_k: dict[int, int] = field(default_factory=dict)
@@ -170,6 +172,8 @@ class BatchStats:
         self.steps += 1
         self.step_s += report.propose_s + report.score_s + report.verify_s
         self.scored_tokens += report.scored_tokens
+        self.catch_up_tokens += report.catch_up_tokens
+        self.catch_up_s += report.catch_up_s
         self.rows_steps[report.rows] = self.rows_steps.get(report.rows, 0) + 1
         self.width_steps[report.width] = self.width_steps.get(report.width, 0) + 1
         if policy_k is not None:
@@ -177,8 +181,9 @@ class BatchStats:
 
     def summary(self) -> dict[str, Any]:
         """Plain JSON-able counters (the merged request metrics under ``requests``)."""
-        d = {name: getattr(self, name) for name in ("steps", "step_s", "scored_tokens", "prefill_tokens",
-                                                     "prefill_s", "rows_steps", "width_steps", "policy_k")}
+        names = ("steps", "step_s", "scored_tokens", "prefill_tokens", "prefill_s", "catch_up_tokens", "catch_up_s",
+                 "rows_steps", "width_steps", "policy_k")
+        d = {name: getattr(self, name) for name in names}
         d["mean_rows"] = sum(b * c for b, c in self.rows_steps.items()) / self.steps if self.steps else 0.0
         d["requests"] = self.requests.summary()
         return d
