@@ -70,6 +70,7 @@ def closed_loop(be: BatchEngine, prompts: list[list[int]], clients: int, params:
     return figures([r for _, r in done], wall, latency, ttft) | {
         "batch_steps": be.stats.steps, "mean_rows": be.stats.summary()["mean_rows"],
         "catch_up_tokens": be.stats.catch_up_tokens, "catch_up_s": be.stats.catch_up_s,
+        "decode_s": be.stats.step_s, "prefill_s": be.stats.prefill_s,
         "policy_k": dict(sorted(be.stats.policy_k.items())), "width": dict(sorted(be.stats.width_steps.items()))}
 
 
@@ -239,7 +240,8 @@ def main() -> None:
                 runs[mode].append(r)
                 print(f"C={c:3d} {mode:7s} run {rep + 1}/{args.repeats} {r['tokens_per_s']:8.1f} tok/s  "
                       f"p50 {r['latency_p50_s']:.2f}s  p95 {r['latency_p95_s']:.2f}s  k {r['policy_k'] or r['width']}"
-                      f"  catch-up {r.get('catch_up_s', 0.0):.1f}s", flush=True)
+                      f"  decode {r.get('decode_s', 0.0):.1f}s  prefill {r.get('prefill_s', 0.0):.1f}s"
+                      f"  catch-up {r.get('catch_up_s', 0.0):.1f}s  wall {r['wall_s']:.1f}s", flush=True)
         rows.extend(summarize(runs, c))
 
     info = machine()
