@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import math
 import random
+import statistics
 
 import pytest
 
 from verispec.advise import advise, format_advice
-from verispec.engine.policy import Acceptance, AnswerLengths, CostK, CostModel, expected_tokens
+from verispec.engine.policy import Acceptance, AcceptanceSpread, AnswerLengths, CostK, CostModel, expected_tokens
 
 
 def test_expected_tokens_matches_the_geometric_sum():
@@ -182,3 +183,13 @@ def test_advise_on_tiny_models(qwen2_tiny, qwen2_draft_tiny, tmp_path):
     assert result["verdict"].startswith("speculation")
     assert (tmp_path / "advise.png").stat().st_size > 0 and (tmp_path / "advise.json").is_file()
     assert "recommended:" in format_advice(result)
+
+
+def test_acceptance_spread_is_the_prior_until_enough_requests_drafted():
+    spread = AcceptanceSpread(prior_sd=0.25, min_requests=4)
+    spread.add(Acceptance(accepted=1, rejected=0))  # one judged token shows no rate: ignored
+    for accepted, rejected in ((9, 1), (1, 1), (9, 1)):
+        spread.add(Acceptance(accepted=accepted, rejected=rejected))
+    assert list(spread.rates) == [0.9, 0.5, 0.9] and spread.sd == 0.25  # three requests: still the prior
+    spread.add(Acceptance(accepted=1, rejected=1))
+    assert spread.sd == pytest.approx(statistics.stdev([0.9, 0.5, 0.9, 0.5]))

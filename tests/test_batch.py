@@ -291,6 +291,9 @@ def test_policy_picks_k0_in_the_engine_when_compute_bound(engine, reference):
     assert [r.token_ids for r in results] == reference["draft-cost"]
     assert max(be.stats.policy_k) == spec.k  # memory-bound: speculate as far as allowed
     assert be.stats.summary()["policy_k"] == be.stats.policy_k
+    # Each finished request that drafted records its acceptance: the spread a probe's bound uses.
+    (spread,) = be._seen_spread.values()
+    assert len(spread.rates) == len(PROMPTS) and all(0 <= r <= 1 for r in spread.rates)
 
 
 def test_policy_keeps_a_row_plain_when_its_draft_catch_up_cannot_pay_back():
@@ -390,6 +393,25 @@ def test_a_probe_pays_for_one_catch_up_at_most():
     rows = [RowPlan(cap=5, acceptance=0.1, catch_up=50, horizon=40), RowPlan(cap=5, acceptance=0.1, horizon=40)]
     assert policy.choose(rows) == policy.probe_k
     assert [r.cap for r in rows] == [0, 5]
+
+
+def test_a_full_batch_is_probed_only_if_its_mean_acceptance_could_plausibly_pay():
+    # A CPU-like curve: 24 scored tokens cost 2.5x what 8 do. Eight rows drafting two tokens pay at
+    # perfect acceptance (+14%), but not at 0.6 + 2 * 0.25 / sqrt(8) = 0.78, the best mean eight
+    # requests plausibly reach when one request's acceptance varies by 0.25: no probe. A lone row
+    # with a poor record (0.3, plain at its estimate) is plausibly at 0.8, which pays: probed.
+    costs = BatchCostModel(CostCurve({1: 0.1, 8: 0.3, 24: 0.75}, smoothing=0),
+                           CostCurve({1: 0.01, 8: 0.02}, smoothing=0))
+
+    def probe(n: int, acceptance: float, spread: float | None) -> int:
+        plans = [RowPlan(cap=5, acceptance=acceptance, horizon=40, spread=spread) for _ in range(n)]
+        return BatchPolicy(costs, probe_every=1).choose(plans)
+
+    assert probe(8, 0.6, None) == 2  # no spread given: perfect acceptance, as before
+    assert probe(8, 0.6, 0.25) == 0
+    assert probe(1, 0.3, 0.25) == 2
+    # A drafter whose requests differ widely keeps a full batch's best mean high enough to look.
+    assert probe(8, 0.6, 0.5) == 2
 
 
 def test_a_catch_up_is_weighed_against_the_batch_the_joining_rows_make():

@@ -37,7 +37,7 @@ from verispec.engine.batch_policy import BatchCostModel, BatchPolicy, RowPlan, p
 from verispec.engine.batch_step import BatchStats, Row, batched_step
 from verispec.engine.engine import Engine, GenerationResult, Prompt
 from verispec.engine.metrics import Metrics
-from verispec.engine.policy import Acceptance, KPolicy, make_policy
+from verispec.engine.policy import Acceptance, AcceptanceSpread, KPolicy, make_policy
 from verispec.engine.scheduler import Scheduler
 from verispec.engine.stopping import append_tokens, final_text, k_cap
 from verispec.errors import VerispecError
@@ -262,6 +262,7 @@ class BatchEngine:
         self.stats = BatchStats()
         self._drafters = _DrafterPool(engine)
         self._seen_acceptance: dict[str, Acceptance] = {}  # per drafter, over all requests: new rows' prior
+        self._seen_spread: dict[str, AcceptanceSpread] = {}  # per drafter: how requests' acceptance differs
         self._running: dict[int, _Request] = {}  # slot -> request, in admission order
         self._by_handle: dict[RequestHandle, _Request] = {}  # every request not finished yet
         self._ids = itertools.count()
@@ -550,8 +551,9 @@ class BatchEngine:
                     if row.model_draft and self.draft_model is not None else 0
                 horizon = self.engine.answer_lengths.expected_remaining(
                     len(req.out), min(req.params.max_tokens - len(req.out), room))
+                spread = self._seen_spread.setdefault(_DrafterPool.key(req.spec), AcceptanceSpread()).sd
                 plans.append(RowPlan(cap, req.acceptance.rate, model_draft=row.model_draft, catch_up=catch_up,
-                                     horizon=horizon))
+                                     horizon=horizon, spread=spread))
             else:
                 row.k = req.kpolicy.choose(cap) if req.kpolicy is not None and row.speculates else 0
                 plans.append(RowPlan(cap, None, row.k, model_draft=row.model_draft))
@@ -613,6 +615,8 @@ class BatchEngine:
         self._by_handle.pop(req.handle, None)
         if reason != "cancelled":
             self.engine.answer_lengths.add(len(req.out), cut=reason == "length")
+        if req.acceptance is not None:
+            self._seen_spread.setdefault(_DrafterPool.key(req.spec), AcceptanceSpread()).add(req.acceptance)
         if req.row is not None:
             slot = req.row.slot
             del self._running[slot]

@@ -25,6 +25,10 @@ from verispec.engine.metrics import seconds_of
 from verispec.engine.policy import MIN_GAIN, ProbeSchedule, expected_tokens
 from verispec.models.llama import Transformer
 
+# A probe asks whether speculation could pay at the best acceptance the batch plausibly has: its
+# rows' estimates plus this many standard deviations of a mean over that many requests.
+PLAUSIBLE_SDS = 2.0
+
 
 @dataclass
 class CostCurve:
@@ -139,6 +143,7 @@ class RowPlan:
     model_draft: bool = True  # drafts with the draft model (costs forwards), not a lookup
     catch_up: int = 0  # tokens the draft model must read for this row before it can draft
     horizon: int | None = None  # tokens the row is expected to still produce (None: unknown)
+    spread: float | None = None  # sd of acceptance between requests of its drafter (None: a probe assumes a = 1)
 
     @property
     def must_catch_up(self) -> bool:
@@ -151,10 +156,13 @@ class BatchPolicy:
     """Chooses one k per step for all policy-governed rows by expected batch goodput.
 
     While k = 0 nothing is learned about acceptance, so after ``probe_every`` plain steps a
-    ``probe_k`` step runs, but only if speculation could pay at all: when even perfect acceptance
-    loses (compute-bound), probing would only waste compute. A row whose draft must first catch up
-    joins a probe only if perfect acceptance would win the catch-up back. Probes that change
-    nothing come ever more rarely (:class:`~verispec.engine.policy.ProbeSchedule`).
+    ``probe_k`` step runs, but only if speculation could pay at the best acceptance the batch
+    plausibly has (each row's estimate plus two standard deviations of a mean over the batch's
+    requests; perfect acceptance for rows that give no ``spread``): otherwise (compute-bound, or
+    a full batch whose drafter's record is far below what would pay) probing only wastes compute.
+    A probe lets at most one row whose draft must first catch up read its context, and only if
+    that bound wins the read back. Probes that change nothing come ever more rarely
+    (:class:`~verispec.engine.policy.ProbeSchedule`).
     """
 
     costs: BatchCostModel
@@ -167,11 +175,19 @@ class BatchPolicy:
         self.probes = ProbeSchedule(self.probe_every, 8 * self.probe_every)
 
     def goodput(self, plans: list[RowPlan], k: int, span: int | None = None, optimistic: bool = False) -> float:
-        """Predicted tokens per second of the whole batch if governed rows draft ``k``."""
+        """Predicted tokens per second of the whole batch if governed rows draft ``k``.
+
+        ``optimistic``: at the best acceptance each row plausibly has (a probe's bound): its
+        estimate plus :data:`PLAUSIBLE_SDS` standard deviations of a mean over the batch's governed
+        rows, or 1 where the row gives no ``spread``.
+        """
         tokens, width, draft_k = 0.0, 0, 0
+        governed = sum(p.acceptance is not None for p in plans)
         for p in plans:
             kr = p.fixed_k if p.acceptance is None else min(k, p.cap)
-            a = 1.0 if optimistic else (p.acceptance if p.acceptance is not None else 0.6)
+            a = p.acceptance if p.acceptance is not None else 0.6
+            if optimistic and p.acceptance is not None:
+                a = 1.0 if p.spread is None else min(1.0, a + PLAUSIBLE_SDS * p.spread / governed ** 0.5)
             tokens += expected_tokens(a, kr) if kr > 0 else 1.0
             width = max(width, kr)
             if p.model_draft:
@@ -197,20 +213,21 @@ class BatchPolicy:
             k = self._best_k(plans, span)
         if k == 0:
             if self.probes.due():
-                # A probe weighs each catch-up at its own, optimistic, bound: a row the expected
+                # A probe weighs each catch-up at its own, plausible best, bound: a row the expected
                 # acceptance just kept out (a new request's prior too low to pay for reading its
                 # prompt) is exactly the one a probe must be able to take, or a lone client whose
                 # prompt read never pays at the prior is never probed and never drafts.
                 for p, cap in zip(plans, caps, strict=True):
                     p.cap = cap
                 probe = min(self.probe_k, max(governed))
-                # A probe can only show speculation paying if perfect acceptance would clear the same
-                # margin the choice demands; a near-tie (a compute-bound batch) would never turn into a
+                # A probe can only show speculation paying if the best plausible acceptance would clear
+                # the same margin the choice demands; a near-tie (a compute-bound batch, or a full batch
+                # whose mean acceptance cannot plausibly reach what would pay) would never turn into a
                 # chosen k, so its probes would be pure cost.
                 if probe and self._pays(plans, span, probe, optimistic=True):
                     # A row whose draft must first read what it generated while plain (or its prompt)
-                    # joins only if perfect acceptance would win that read back, as CostK probes one
-                    # request. Keeping every such row out locked a lone request into plain decoding:
+                    # joins only if the plausible best acceptance would win that read back, as CostK
+                    # probes one request. Keeping every such row out locked a lone request into plain decoding:
                     # once plain, its draft always lags, so no probe ever took it again. A probe that
                     # would take no row learns nothing: it does not run, the wait does not grow, and
                     # it stays due for the next step (a request arriving with its whole answer ahead).
@@ -233,7 +250,8 @@ class BatchPolicy:
         a burst of arrivals, taken while most rows still prefill, looked like a small batch where
         speculation pays: rows caught up, and a few steps later the full batch decoded plainly
         and never won those reads back (1-4% of throughput at 8 clients, measured). ``optimistic``
-        prices the saving at perfect acceptance (a probe's bound), at ``k`` for the future batch too.
+        prices the saving at the best plausible acceptance (a probe's bound, :meth:`goodput`), at
+        ``k`` for the future batch too.
         """
         if self.costs.draft is None:
             return False
@@ -241,7 +259,9 @@ class BatchPolicy:
         if joining > 0 and saved > 0:
             governed = [p for p in plans if p.acceptance is not None]
             cap, a = max(p.cap for p in governed), sum(p.acceptance for p in governed) / len(governed)
-            future = plans + [RowPlan(cap, a)] * joining  # read only, never changed
+            spreads = [p.spread for p in governed]
+            spread = None if None in spreads else max(spreads)
+            future = plans + [RowPlan(cap, a, spread=spread)] * joining  # read only, never changed
             future_span = (span or len(plans)) + joining
             if optimistic:
                 k_future = k if self._pays(future, future_span, k, optimistic=True) else 0

@@ -148,6 +148,41 @@ class Acceptance:
 
 
 @dataclass
+class AcceptanceSpread:
+    """How much acceptance differs from one request to the next, for one drafter.
+
+    A probe asks whether speculation could pay at the best acceptance the batch plausibly has.
+    One request's acceptance ranges widely (code near 0.9, open chat far lower), so for a lone
+    request that bound is near 1; the mean over B requests varies by only sd / sqrt(B), so a
+    full batch whose drafter has a modest record cannot plausibly reach a high mean, and probing
+    it only costs (at 8 clients on a CPU, a step three tokens wide over eight rows). ``sd`` is the
+    standard deviation of finished requests' rates once ``min_requests`` have drafted, else
+    ``prior_sd``.
+    """
+
+    prior_sd: float = 0.25
+    min_requests: int = 8
+    window: int = 64
+    rates: deque = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.rates = deque(maxlen=self.window)
+
+    def add(self, acceptance: Acceptance) -> None:
+        """Record a finished request's acceptance, if it drafted enough to show one."""
+        judged = acceptance.accepted + acceptance.rejected
+        if judged >= 2:
+            self.rates.append(acceptance.accepted / judged)
+
+    @property
+    def sd(self) -> float:
+        if len(self.rates) < self.min_requests:
+            return self.prior_sd
+        mean = sum(self.rates) / len(self.rates)
+        return (sum((r - mean) ** 2 for r in self.rates) / (len(self.rates) - 1)) ** 0.5
+
+
+@dataclass
 class AnswerLengths:
     """How long recent answers ran, to estimate how many tokens a running request will still produce.
 
