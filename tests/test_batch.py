@@ -381,7 +381,7 @@ def test_a_probe_pays_for_one_catch_up_at_most():
     # Three rows whose drafts lag (a shrinking batch after plain steps): perfect acceptance would
     # win each read back, but a probe only needs one row to measure the drafter, so it reads the
     # context of the row that wins its read back fastest and the others decode plainly. Before,
-    # all three read their contexts, which at 8 clients cost ~5% of throughput.
+    # all three read their contexts.
     costs = BatchCostModel(CostCurve({1: 0.1, 64: 0.1}, smoothing=0), CostCurve({1: 0.01}, smoothing=0),
                            catch_up_per_token_s=0.001)
     policy = BatchPolicy(costs, probe_every=1)

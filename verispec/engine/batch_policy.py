@@ -227,8 +227,8 @@ class BatchPolicy:
                 if probe and self._pays(plans, span, probe, optimistic=True):
                     # A row whose draft must first read what it generated while plain (or its prompt)
                     # joins only if the plausible best acceptance would win that read back, as CostK
-                    # probes one request. Keeping every such row out locked a lone request into plain decoding:
-                    # once plain, its draft always lags, so no probe ever took it again. A probe that
+                    # probes one request. Keeping every such row out locked a lone request into plain
+                    # decoding: once plain, its draft always lags, so no probe ever took it again. A probe that
                     # would take no row learns nothing: it does not run, the wait does not grow, and
                     # it stays due for the next step (a request arriving with its whole answer ahead).
                     self._exclude_unpaid_catch_ups(plans, span, probe, joining, optimistic=True)
@@ -279,9 +279,9 @@ class BatchPolicy:
 
         A probe measures the drafter's acceptance, which one row shows as well as many. Letting
         every lagging row in made each probe read all their prompts (and what they generated
-        while plain): at 8 clients, probes fired as the batch briefly shrank and cost ~5% of
-        throughput, never won back. The lagging row kept is the one that wins its read back
-        fastest (most tokens still to produce per second of catch-up).
+        while plain), reads a batch that goes back to plain decoding never wins back. The lagging
+        row kept is the one that wins its read back fastest (most tokens still to produce per
+        second of catch-up).
         """
         if self.costs.draft is None:
             return
