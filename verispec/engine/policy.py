@@ -9,6 +9,7 @@ from the step timings; a is tracked per request.
 
 from __future__ import annotations
 
+import statistics
 from abc import ABC, abstractmethod
 from collections import deque
 from dataclasses import dataclass, field
@@ -164,22 +165,20 @@ class AcceptanceSpread:
     min_requests: int = 8
     window: int = 64
     rates: deque = field(init=False)
+    sd: float = field(init=False)  # kept current by add(): every decode step reads it for every row
 
     def __post_init__(self) -> None:
         self.rates = deque(maxlen=self.window)
+        self.sd = self.prior_sd
 
     def add(self, acceptance: Acceptance) -> None:
         """Record a finished request's acceptance, if it drafted enough to show one."""
         judged = acceptance.accepted + acceptance.rejected
-        if judged >= 2:
-            self.rates.append(acceptance.accepted / judged)
-
-    @property
-    def sd(self) -> float:
-        if len(self.rates) < self.min_requests:
-            return self.prior_sd
-        mean = sum(self.rates) / len(self.rates)
-        return (sum((r - mean) ** 2 for r in self.rates) / (len(self.rates) - 1)) ** 0.5
+        if judged < 2:
+            return
+        self.rates.append(acceptance.accepted / judged)
+        if len(self.rates) >= self.min_requests:
+            self.sd = statistics.stdev(self.rates)
 
 
 @dataclass
