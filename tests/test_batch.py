@@ -433,6 +433,45 @@ def test_a_catch_up_is_weighed_against_the_batch_the_joining_rows_make():
     assert policy.choose([ready], joining=7) > 0 and ready.cap == 5  # nothing to win back: drafts meanwhile
 
 
+def test_long_contexts_make_drafting_dearer_not_free():
+    # Measured on the AVX2 host at 16 clients: 16 and 32 scored tokens cost 0.7 s and 1.34 s at a
+    # 64-token context, and each scored token pays ~55 us per further position (the draft's rows
+    # ~35 us). Plain steps of 16 rows near context 1000 take 1.52 s.
+    def costs(per_position: bool) -> BatchCostModel:
+        return BatchCostModel(CostCurve({16: 0.7, 32: 1.34}), CostCurve({16: 0.25}), context=64,
+                              target_context_s=55e-6 if per_position else 0.0,
+                              draft_context_s=35e-6 if per_position else 0.0)
+
+    def after_plain_steps(model: BatchCostModel) -> BatchPolicy:
+        for _ in range(30):
+            model.observe_target(16, 0.7 + 16 * 936 * 55e-6, context=1000)
+        return BatchPolicy(model, probe_every=1000)
+
+    batch = [RowPlan(cap=5, acceptance=0.7, context=1000)] * 16
+    # Context-blind, the plain steps raise only the 16-token point; pooled with the 32-token one
+    # (still at its short-context time) drafting one token looks nearly free, and is chosen.
+    blind = after_plain_steps(costs(per_position=False))
+    assert blind.costs.target(32) <= blind.costs.target(16) * 1.01
+    assert blind.choose(list(batch)) > 0
+    # With the per-position cost the same steps are what the model predicts: the curve keeps its
+    # profiled shape, and two 1000-token-context tokens per row cost what they do: plain.
+    aware = after_plain_steps(costs(per_position=True))
+    assert aware.costs.target.points[16] == pytest.approx(0.7)
+    assert aware.costs.step_s(16, 0, context=1000) == pytest.approx(0.7 + 16 * 936 * 55e-6)
+    assert aware.costs.step_s(16, 1, context=1000) == pytest.approx(
+        0.25 + 16 * 936 * 35e-6 + 1.34 + 32 * 936 * 55e-6)
+    assert aware.choose(list(batch)) == 0
+    # A step's context is its longest row's; a short context costs what was profiled.
+    assert aware.goodput([RowPlan(5, 0.7, context=64)] * 15 + [RowPlan(5, 0.7, context=1000)], 0) == \
+        pytest.approx(16 / aware.costs.step_s(16, 0, context=1000))
+    assert aware.costs.step_s(16, 1, context=10) == pytest.approx(0.25 + 1.34)
+    # A time the context does not explain still teaches the curve (here 0.1 s slower than predicted).
+    aware.costs.observe_target(16, 0.7 + 16 * 936 * 55e-6 + 0.1, context=1000)
+    assert aware.costs.target.points[16] == pytest.approx(0.71)
+    with pytest.raises(ValueError):
+        BatchCostModel(CostCurve({1: 0.1}), target_context_s=-1.0)
+
+
 def test_cost_curve_learns_between_profiled_points_only():
     curve = CostCurve({1: 1.0, 5: 2.0}, smoothing=0.5)
     curve.observe(4, 2.75)  # read 1.75 there: an error of 1.0, shared 1/4 : 3/4 by the neighbours
@@ -456,8 +495,10 @@ def test_cost_curve_pools_an_outlier_with_its_neighbours():
 
 def test_profiled_costs_are_monotone(engine):
     be = BatchEngine(engine, max_batch=4)
-    costs = be.profile(k_max=3, context=128)
+    costs = be.profile(k_max=3, context=32)
     assert costs.catch_up_per_token_s > 0
+    # What each further position costs is timed within a slot's length (124 here, not 8 x 32).
+    assert costs.context == 32 and costs.target_context_s >= 0 and costs.draft_context_s >= 0
     assert set(costs.target.points) >= {1, 4, 16}
     assert costs.draft is not None
     values = [costs.target(t) for t in range(1, 40)]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -19,7 +20,7 @@ def run(args: list[str]) -> subprocess.CompletedProcess:
 def test_repeats_report_medians_and_paired_ratios(tmp_path, qwen2_tiny, qwen2_noisy_draft_tiny):
     out = tmp_path / "conc"
     r = run(["--model", qwen2_tiny.path, "--draft", qwen2_noisy_draft_tiny.path, "--dtype", "float32",
-             "--device", "cpu", "--max-tokens", "6", "--max-len", "512", "--concurrency", "1,2", "--requests", "4",
+             "--device", "cpu", "--max-tokens", "6", "--max-len", "512", "--concurrency", "1,2", "--requests", "3",
              "--repeats", "2", "--once", "fixed", "--out", str(out)])
     if r.returncode != 0 and "question.jsonl" in r.stderr:
         pytest.fail("Spec-Bench prompts missing: " + r.stderr[-500:])
@@ -28,8 +29,10 @@ def test_repeats_report_medians_and_paired_ratios(tmp_path, qwen2_tiny, qwen2_no
     # The single-request engine ("alone") runs at one client only.
     assert [(x["concurrency"], x["mode"]) for x in rows] == [
         (1, "plain"), (1, "fixed"), (1, "policy"), (1, "alone"), (2, "plain"), (2, "fixed"), (2, "policy")]
+    # Each level serves at least two prompts per client: 3 requests at one client, 4 at two.
+    assert [x["requests"] for x in rows] == [3] * 4 + [4] * 3
     alone = rows[3]
-    assert alone["requests"] == 4 and alone["tokens"] > 0 and alone["policy_k"]
+    assert alone["tokens"] > 0 and alone["policy_k"]
     for x in rows:
         runs = x["runs_tokens_per_s"]
         assert len(runs) == (1 if x["mode"] == "fixed" else 2)
@@ -41,6 +44,15 @@ def test_repeats_report_medians_and_paired_ratios(tmp_path, qwen2_tiny, qwen2_no
             plain = next(p for p in rows if p["concurrency"] == x["concurrency"] and p["mode"] == "plain")
             expected = [t / p for t, p in zip(runs, plain["runs_tokens_per_s"], strict=False)]
             assert x["vs_plain_runs"] == pytest.approx(expected)
+        # Beyond prefill: the same pairing over the wall time outside the target's prompt prefill,
+        # which every mode spends (the single-request engine included) and which is taken out.
+        beyond = x["runs_beyond_prefill_tokens_per_s"]
+        assert x["prefill_s"] > 0 and len(beyond) == len(runs)
+        assert all(b > t for b, t in zip(beyond, runs, strict=True))
+        plain = next(p for p in rows if p["concurrency"] == x["concurrency"] and p["mode"] == "plain")
+        expected = [b / p for b, p in zip(beyond, plain["runs_beyond_prefill_tokens_per_s"], strict=False)]
+        assert x["beyond_prefill_vs_plain_runs"] == pytest.approx(expected)
+        assert x["beyond_prefill_vs_plain"] == pytest.approx(statistics.median(expected))
         # What the draft model read on its own is reported: nothing plainly, every prompt at fixed k.
         if x["mode"] == "plain":
             assert x["catch_up_tokens"] == 0 and x["catch_up_s"] == 0
@@ -48,6 +60,7 @@ def test_repeats_report_medians_and_paired_ratios(tmp_path, qwen2_tiny, qwen2_no
             assert x["catch_up_tokens"] > 0 and x["catch_up_s"] > 0
     md = (out / "concurrency.md").read_text()
     assert "2 runs per concurrency and mode" in md and "draft catch-up s (tokens)" in md
+    assert "vs plain beyond prefill" in md and "outside the target's prompt prefill" in md
     # Every other repeat runs the modes in reverse order (a drifting host favours no mode).
     order = [line.split()[1:5] for line in r.stdout.splitlines() if line.startswith("C=")]  # C, mode, "run", n
     assert [(m, n) for c, m, _, n in order if c == "1"] == [

@@ -431,10 +431,14 @@ class BatchEngine:
     def profile(self, k_max: int = 8, context: int = 64) -> BatchCostModel:
         """Measure the cost curves the concurrency-aware policy uses (done on first use otherwise)."""
         with self._exclusive():
-            self.costs = profile_costs(self.target, self.draft, self.slots, k_max, context)
+            # The longer context, for what each position more costs, within what a slot can hold.
+            long_context = min(8 * context, self.max_len - k_max - 1)
+            self.costs = profile_costs(self.target, self.draft, self.slots, k_max, context, long_context=long_context)
             self.policy = BatchPolicy(self.costs)
-            logger.info("batch costs: target %s, draft %s", _fmt(self.costs.target.points),
-                        _fmt(self.costs.draft.points) if self.costs.draft else "-")
+            c = self.costs
+            logger.info("batch costs at %d-token context: target %s, draft %s; per token and further position: "
+                        "target %.2g s, draft %.2g s", c.context, _fmt(c.target.points),
+                        _fmt(c.draft.points) if c.draft else "-", c.target_context_s, c.draft_context_s)
             return self.costs
 
     def _loop(self) -> None:
@@ -553,10 +557,10 @@ class BatchEngine:
                     len(req.out), min(req.params.max_tokens - len(req.out), room))
                 spread = self._seen_spread.setdefault(_DrafterPool.key(req.spec), AcceptanceSpread()).sd
                 plans.append(RowPlan(cap, req.acceptance.rate, model_draft=row.model_draft, catch_up=catch_up,
-                                     horizon=horizon, spread=spread))
+                                     horizon=horizon, spread=spread, context=len(row.seq)))
             else:
                 row.k = req.kpolicy.choose(cap) if req.kpolicy is not None and row.speculates else 0
-                plans.append(RowPlan(cap, None, row.k, model_draft=row.model_draft))
+                plans.append(RowPlan(cap, None, row.k, model_draft=row.model_draft, context=len(row.seq)))
             rows.append(row)
             stepping.append(req)
         if not rows:
@@ -573,11 +577,11 @@ class BatchEngine:
         report = batched_step(self.target, self.cache, rows, self.draft_model)
         self.stats.record(report, policy_k)
         if self.costs is not None:
-            self.costs.target.observe(report.scored_tokens, report.score_s)
+            self.costs.observe_target(report.scored_tokens, report.score_s, report.context)
             self.costs.observe_catch_up(report.catch_ups, report.catch_up_tokens, report.catch_up_s)
             if self.costs.draft is not None and report.draft_forwards:
                 per_forward = (report.propose_s - report.catch_up_s) / report.draft_forwards
-                self.costs.draft.observe(report.span, per_forward)
+                self.costs.observe_draft(report.span, per_forward, report.context)
         now = time.perf_counter()
         for i, req in enumerate(stepping):
             if req.done:  # cancelled by an earlier request's callback during this loop

@@ -8,7 +8,8 @@ models a step's time as
 
     step_s(B, k) = k * draft_s(B) + target_s(B * (k + 1))
 
-with ``target_s`` a measured curve of seconds against scored tokens, and picks the k maximising
+with ``target_s`` a measured curve of seconds against scored tokens (plus, for each scored token,
+a measured cost per position of context it attends to beyond the profiled one), and picks the k maximising
 expected batch goodput ``sum_rows E[tokens_row(k)] / step_s`` (Leviathan et al.'s E[tokens] per
 row, from each row's own acceptance estimate). Rows that fix their own k (``k_policy`` other than
 ``cost``) keep it; the padded width is the largest k of the batch, which the model accounts for.
@@ -16,6 +17,7 @@ row, from each row's own acceptance estimate). Rows that fix their own k (``k_po
 
 from __future__ import annotations
 
+import statistics
 from bisect import bisect_left
 from dataclasses import dataclass, field
 
@@ -100,7 +102,13 @@ def monotone_fit(ys: list[float]) -> list[float]:
 class BatchCostModel:
     """Step time of a batch: target forwards against scored tokens, lockstep draft forwards against rows.
 
-    ``draft`` is None for drafters that cost (next to) nothing, such as n-gram lookup.
+    ``draft`` is None for drafters that cost (next to) nothing, such as n-gram lookup. Both curves
+    hold times at a ``context``-token context; each scored token (draft forward row) attending to
+    more pays ``target_context_s`` (``draft_context_s``) per further position. Without that term a
+    busy batch at long contexts measured its plain steps far above the curve, observations raised
+    only the plain width's point, the monotone fit pooled it with the wider (unobserved, still
+    short-context) points, and drafting looked nearly free: 16 clients at contexts near 1000
+    drafted on steps that cost twice what they predicted.
     """
 
     target: CostCurve
@@ -110,6 +118,32 @@ class BatchCostModel:
     # forward plus this many seconds per token read. A one-off cost per row, not per step.
     catch_up_per_token_s: float = 0.0
     smoothing: float = 0.1
+    context: int = 0  # the context the curves were measured at
+    target_context_s: float = 0.0  # seconds per scored token per context position beyond ``context``
+    draft_context_s: float = 0.0  # the same per row of a lockstep draft forward
+
+    def __post_init__(self) -> None:
+        if self.context < 0 or self.target_context_s < 0 or self.draft_context_s < 0:
+            raise ValueError("context and the per-position costs must be >= 0")
+
+    def target_s(self, tokens: int, context: int = 0) -> float:
+        """Predicted seconds of a target forward scoring ``tokens`` tokens that attend to ``context`` positions."""
+        return self.target(tokens) + tokens * max(0, context - self.context) * self.target_context_s
+
+    def draft_s(self, rows: int, context: int = 0) -> float:
+        """Predicted seconds of one lockstep draft forward of ``rows`` rows at ``context`` positions."""
+        if self.draft is None:
+            return 0.0
+        return self.draft(rows) + rows * max(0, context - self.context) * self.draft_context_s
+
+    def observe_target(self, tokens: int, seconds: float, context: int = 0) -> None:
+        """Fold in a measured target forward; the curve learns the time its context does not explain."""
+        self.target.observe(tokens, seconds - (self.target_s(tokens, context) - self.target(tokens)))
+
+    def observe_draft(self, rows: int, seconds: float, context: int = 0) -> None:
+        """Fold in a measured lockstep draft forward (as :meth:`observe_target`)."""
+        if self.draft is not None:
+            self.draft.observe(rows, seconds - (self.draft_s(rows, context) - self.draft(rows)))
 
     def catch_up_s(self, tokens: int) -> float:
         """Predicted seconds for one row's draft to read ``tokens`` tokens of context."""
@@ -123,14 +157,14 @@ class BatchCostModel:
             per_token = max(0.0, seconds - count * self.draft(1)) / tokens
             self.catch_up_per_token_s += self.smoothing * (per_token - self.catch_up_per_token_s)
 
-    def step_s(self, rows: int, k: int, draft_k: int | None = None) -> float:
-        """Predicted seconds of one step of ``rows`` rows padded to ``k`` drafts each.
+    def step_s(self, rows: int, k: int, draft_k: int | None = None, context: int = 0) -> float:
+        """Predicted seconds of one step of ``rows`` rows padded to ``k`` drafts each, attending to ``context``.
 
         ``draft_k`` lockstep draft forwards run (default ``k``; 0 when only lookup drafters draft).
         """
         draft_k = k if draft_k is None else draft_k
-        draft = draft_k * self.draft(rows) if self.draft is not None and draft_k > 0 else 0.0
-        return draft + self.target(rows * (k + 1))
+        draft = draft_k * self.draft_s(rows, context) if draft_k > 0 else 0.0
+        return draft + self.target_s(rows * (k + 1), context)
 
 
 @dataclass
@@ -144,6 +178,7 @@ class RowPlan:
     catch_up: int = 0  # tokens the draft model must read for this row before it can draft
     horizon: int | None = None  # tokens the row is expected to still produce (None: unknown)
     spread: float | None = None  # sd of acceptance between requests of its drafter (None: a probe assumes a = 1)
+    context: int = 0  # tokens the row's sequence holds: what its scored tokens attend to
 
     @property
     def must_catch_up(self) -> bool:
@@ -192,7 +227,7 @@ class BatchPolicy:
             width = max(width, kr)
             if p.model_draft:
                 draft_k = max(draft_k, kr)
-        return tokens / self.costs.step_s(span or len(plans), width, draft_k)
+        return tokens / self.costs.step_s(span or len(plans), width, draft_k, batch_context(plans))
 
     def choose(self, plans: list[RowPlan], span: int | None = None, joining: int = 0) -> int:
         """k for the governed rows of the next step (each still capped by its own ``cap``).
@@ -295,7 +330,8 @@ class BatchPolicy:
 
     def _saving(self, plans: list[RowPlan], span: int | None, k: int, optimistic: bool = False) -> float:
         """Predicted seconds per token that drafting ``k`` saves over plain decoding, per row."""
-        return self.costs.step_s(span or len(plans), 0) / len(plans) - 1.0 / self.goodput(plans, k, span, optimistic)
+        plain_s = self.costs.step_s(span or len(plans), 0, context=batch_context(plans))
+        return plain_s / len(plans) - 1.0 / self.goodput(plans, k, span, optimistic)
 
     def _pays(self, plans: list[RowPlan], span: int | None, k: int, optimistic: bool = False) -> bool:
         """Whether drafting ``k`` is predicted to beat plain decoding by the margin a choice demands."""
@@ -307,27 +343,60 @@ class BatchPolicy:
         return k if self._pays(plans, span, k) else 0
 
 
+def batch_context(plans: list[RowPlan]) -> int:
+    """The context a step of these rows attends to: the longest row's (the forward pads keys to it)."""
+    return max((p.context for p in plans), default=0)
+
+
 @torch.inference_mode()
 def profile_costs(target: Transformer, draft: Transformer | None, max_rows: int, k_max: int, context: int = 64,
-                  reps: int = 5) -> BatchCostModel:
+                  reps: int = 5, long_context: int | None = None) -> BatchCostModel:
     """Time target forwards of B rows x m tokens (B in powers of two up to ``max_rows``, m in 1..k_max+1).
 
     Each forward attends over a ``context``-token dummy prefix (a real decode step reads its
     context too); a separate small cache is used, so running requests are untouched. The draft
     curve times one-token lockstep forwards of B rows. Each point is the fastest of ``reps`` runs:
     noise on a shared host only ever adds time, and a median of a few runs can still catch a spike.
+    What a longer context adds per scored token and position is timed at ``long_context``
+    (default 8 x ``context``; not at all if it is not longer).
     """
     batch_sizes = sorted({1 << i for i in range(max_rows.bit_length()) if 1 << i <= max_rows} | {max_rows})
     target_pts = _time_grid(target, batch_sizes, range(1, k_max + 2), context, reps)
     draft_pts = _time_grid(draft, batch_sizes, (1,), context, reps) if draft is not None else None
-    catch_up = 0.0
+    long_context = 8 * context if long_context is None else long_context
+    rows = min(max_rows, 16)  # the per-position cost hardly depends on the rows; more would only cost memory
+    target_context_s = _context_slope(target, [(rows, 1), (rows, 2), (1, k_max + 1)], context, long_context, reps)
+    catch_up = draft_context_s = 0.0
     if draft is not None:  # one row reading a context-token prompt, as a new row's catch-up does
         cache = draft.new_cache(1, context)
         tokens = ((torch.arange(context, device=draft.device) * 7 + 3) % draft.args.vocab_size).unsqueeze(0)
         pos = torch.arange(context, device=draft.device).unsqueeze(0)
         times = seconds_of(lambda: draft(tokens, pos, cache, last_only=True), draft.device, reps)
         catch_up = max(0.0, min(times) - draft_pts[1]) / context  # beyond one one-row forward
-    return BatchCostModel(CostCurve(target_pts), CostCurve(draft_pts) if draft_pts else None, catch_up)
+        draft_context_s = _context_slope(draft, [(rows, 1), (1, 1)], context, long_context, reps)
+    return BatchCostModel(CostCurve(target_pts), CostCurve(draft_pts) if draft_pts else None, catch_up,
+                          context=context, target_context_s=target_context_s, draft_context_s=draft_context_s)
+
+
+def _context_slope(model: Transformer, shapes: list[tuple[int, int]], context: int, long_context: int,
+                   reps: int) -> float:
+    """Seconds per scored token per context position: forwards of B rows x m tokens (``shapes``) timed
+    at ``context`` and at ``long_context`` positions (the median over shapes, never below 0)."""
+    if long_context <= context:
+        return 0.0
+    device = model.device
+    # Keys past what was ever written are zeros: what they hold does not change a forward's time.
+    cache = model.new_cache(max(b for b, _ in shapes), long_context + max(m for _, m in shapes))
+    slopes = []
+    for b, m in shapes:
+        tokens = ((torch.arange(m, device=device) * 7 + 3) % model.args.vocab_size).expand(b, -1).contiguous()
+        best = []
+        for at in (context, long_context):
+            pos = (at + torch.arange(m, device=device)).expand(b, -1)
+            best.append(min(seconds_of(lambda tokens=tokens, pos=pos, b=b: model(tokens, pos, cache, rows=slice(0, b)),
+                                       device, reps)))
+        slopes.append((best[1] - best[0]) / (b * m * (long_context - context)))
+    return max(0.0, statistics.median(slopes))
 
 
 def _time_grid(model: Transformer, batch_sizes: list[int], widths: range | tuple[int, ...], context: int,

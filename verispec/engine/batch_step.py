@@ -70,6 +70,7 @@ class StepReport:
     catch_ups: int = 0  # rows whose draft caught up alone, the context they read and its seconds
     catch_up_tokens: int = 0
     catch_up_s: float = 0.0
+    context: int = 0  # the longest row's tokens before the step: what the forward's keys were padded to
 
     @property
     def scored_tokens(self) -> int:
@@ -115,7 +116,7 @@ def batched_step(target: Transformer, cache: KVCache, rows: list[Row],
     t2 = time.perf_counter()
 
     # 3. Verify each row against its own slice of the logits, with its own generator.
-    report = StepReport(len(rows), hi - lo, width, 0, t1 - t0, t2 - t1, 0.0)
+    report = StepReport(len(rows), hi - lo, width, 0, t1 - t0, t2 - t1, 0.0, context=max(len(r.seq) for r in rows))
     for r, d, p in zip(rows, drafts, proposals, strict=True):
         row_logits = logits[r.slot - lo, : len(d) + 1]
         if r.params.greedy:
