@@ -16,7 +16,9 @@ benchmarks prompt lookup instead of the draft model.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import os
 import random
 import statistics
 import time
@@ -37,6 +39,38 @@ from verispec.engine.metrics import Metrics
 
 ALONE = "alone"  # the single-request Engine with the cost policy, one request after another (concurrency 1 only)
 MODES = ("plain", "fixed", "policy", ALONE)
+
+
+class GcClock:
+    """Seconds Python's garbage collector ran while in use: a process-wide cost that lands inside
+    whatever stage was running (prefill included), so a mode that leaves more garbage could look
+    slower at work that is the same in every mode."""
+
+    def __init__(self) -> None:
+        self.seconds, self.collections, self._t0 = 0.0, 0, 0.0
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._t0
+            self.collections += 1
+
+    def __enter__(self) -> GcClock:
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self)
+
+
+def rss_gib() -> float:
+    """This process's resident memory now, GiB (0 where /proc is missing)."""
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+    except (OSError, IndexError, ValueError):
+        return 0.0
+    return pages * os.sysconf("SC_PAGE_SIZE") / 2**30
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -267,13 +301,16 @@ def main() -> None:
             for mode in (here if rep % 2 == 0 else here[::-1]):
                 if rep and mode in once:
                     continue
-                r = one_at_a_time(engine, served, params, specs[mode]) if mode == ALONE else \
-                    closed_loop(be, served, c, params, specs[mode])
+                with GcClock() as gc_clock:
+                    r = one_at_a_time(engine, served, params, specs[mode]) if mode == ALONE else \
+                        closed_loop(be, served, c, params, specs[mode])
+                r |= {"gc_s": gc_clock.seconds, "gc_collections": gc_clock.collections, "rss_gib": rss_gib()}
                 runs[mode].append(r)
                 print(f"C={c:3d} {mode:7s} run {rep + 1}/{args.repeats} {r['tokens_per_s']:8.1f} tok/s  "
                       f"p50 {r['latency_p50_s']:.2f}s  p95 {r['latency_p95_s']:.2f}s  k {r['policy_k'] or r['width']}"
                       f"  decode {r.get('decode_s', 0.0):.1f}s  prefill {r.get('prefill_s', 0.0):.1f}s"
-                      f"  catch-up {r.get('catch_up_s', 0.0):.1f}s  wall {r['wall_s']:.1f}s", flush=True)
+                      f"  catch-up {r.get('catch_up_s', 0.0):.1f}s  wall {r['wall_s']:.1f}s"
+                      f"  gc {r['gc_s']:.2f}s ({r['gc_collections']})  rss {r['rss_gib']:.2f} GiB", flush=True)
         rows.extend(summarize(runs, c))
 
     info = machine()

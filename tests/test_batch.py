@@ -274,6 +274,27 @@ def test_probes_that_change_nothing_come_ever_more_rarely():
     assert [policy.choose(list(poor)) for _ in range(4)] == [0, policy.probe_k, 0, 0]
 
 
+def test_the_probe_wait_starts_over_once_the_requests_it_looked_at_have_left():
+    # Perfect acceptance would pay, a = 0.1 does not: probes fail, the wait doubles to 16 steps.
+    costs = BatchCostModel(CostCurve({1: 0.1, 1024: 0.1}, smoothing=0), CostCurve({1: 0.01, 64: 0.01}, smoothing=0))
+    policy = BatchPolicy(costs, probe_every=2)
+
+    def step(*requests: int) -> int:
+        return policy.choose([RowPlan(5, 0.1, request=r) for r in requests])
+
+    chosen = [step(1, 2) for _ in range(40)]
+    assert [i + 1 for i, k in enumerate(chosen) if k] == [2, 6, 14, 30]
+    # Request 2 stays while 3 replaces 1: the back-off still holds (probes at 46, then 62).
+    chosen = [step(2, 3) for _ in range(22)]
+    assert [i + 41 for i, k in enumerate(chosen) if k] == [46, 62]
+    # Both requests of the last probe have left: the next probe comes after 2 plain steps again.
+    assert [step(4, 5) for _ in range(4)] == [0, policy.probe_k, 0, 0]
+    # Rows without ids (callers that do not say) keep one back-off throughout.
+    anonymous = BatchPolicy(costs, probe_every=2)
+    chosen = [anonymous.choose([RowPlan(5, 0.1)] * 2) for _ in range(50)]
+    assert [i + 1 for i, k in enumerate(chosen) if k] == [2, 6, 14, 30, 46]
+
+
 def test_policy_picks_k0_in_the_engine_when_compute_bound(engine, reference):
     spec = SPECS["draft-cost"]
     be = BatchEngine(engine, max_batch=8, costs=BatchCostModel(CostCurve({1: 1e-3, 100: 0.1}, smoothing=0)))

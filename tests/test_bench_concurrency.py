@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+import importlib.util
 import json
 import statistics
 import subprocess
@@ -53,6 +55,8 @@ def test_repeats_report_medians_and_paired_ratios(tmp_path, qwen2_tiny, qwen2_no
         expected = [b / p for b, p in zip(beyond, plain["runs_beyond_prefill_tokens_per_s"], strict=False)]
         assert x["beyond_prefill_vs_plain_runs"] == pytest.approx(expected)
         assert x["beyond_prefill_vs_plain"] == pytest.approx(statistics.median(expected))
+        # Process-wide costs no stage timer shows: garbage collection and resident memory, per run.
+        assert {"gc_s", "gc_collections"} <= set(x) and x["rss_gib"] > 0.01
         # What the draft model read on its own is reported: nothing plainly, every prompt at fixed k.
         if x["mode"] == "plain":
             assert x["catch_up_tokens"] == 0 and x["catch_up_s"] == 0
@@ -72,3 +76,15 @@ def test_bad_repeat_options_are_refused(tmp_path):
     for bad in (["--repeats", "0"], ["--once", "plain"], ["--modes", "plain,turbo"]):
         r = run([*bad, "--out", str(tmp_path)])
         assert r.returncode == 2 and "--repeats >= 1" in r.stderr, r.stderr[-500:]
+
+
+def test_gc_clock_counts_collections_only_while_in_use():
+    spec = importlib.util.spec_from_file_location("concurrency_bench", SCRIPT)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    with bench.GcClock() as clock:
+        gc.collect()
+        gc.collect(0)
+    gc.collect()  # after the block: not counted
+    assert clock.collections == 2 and clock.seconds > 0
+    assert clock not in gc.callbacks

@@ -557,7 +557,8 @@ class BatchEngine:
                     len(req.out), min(req.params.max_tokens - len(req.out), room))
                 spread = self._seen_spread.setdefault(_DrafterPool.key(req.spec), AcceptanceSpread()).sd
                 plans.append(RowPlan(cap, req.acceptance.rate, model_draft=row.model_draft, catch_up=catch_up,
-                                     horizon=horizon, spread=spread, context=len(row.seq)))
+                                     horizon=horizon, spread=spread, context=len(row.seq),
+                                     request=req.handle.id))
             else:
                 row.k = req.kpolicy.choose(cap) if req.kpolicy is not None and row.speculates else 0
                 plans.append(RowPlan(cap, None, row.k, model_draft=row.model_draft, context=len(row.seq)))

@@ -179,6 +179,7 @@ class RowPlan:
     horizon: int | None = None  # tokens the row is expected to still produce (None: unknown)
     spread: float | None = None  # sd of acceptance between requests of its drafter (None: a probe assumes a = 1)
     context: int = 0  # tokens the row's sequence holds: what its scored tokens attend to
+    request: int | None = None  # the request's id: a probe's back-off holds only while its rows stay
 
     @property
     def must_catch_up(self) -> bool:
@@ -197,7 +198,8 @@ class BatchPolicy:
     a full batch whose drafter's record is far below what would pay) probing only wastes compute.
     A probe lets at most one row whose draft must first catch up read its context, and only if
     that bound wins the read back. Probes that change nothing come ever more rarely
-    (:class:`~verispec.engine.policy.ProbeSchedule`).
+    (:class:`~verispec.engine.policy.ProbeSchedule`), until every request they looked at has left
+    (rows that give their ``request``): then the wait starts over.
     """
 
     costs: BatchCostModel
@@ -208,6 +210,7 @@ class BatchPolicy:
 
     def __post_init__(self) -> None:
         self.probes = ProbeSchedule(self.probe_every, 8 * self.probe_every)
+        self._probed_requests: set[int] = set()  # requests in the batch at probes since the wait started over
 
     def goodput(self, plans: list[RowPlan], k: int, span: int | None = None, optimistic: bool = False) -> float:
         """Predicted tokens per second of the whole batch if governed rows draft ``k``.
@@ -243,6 +246,13 @@ class BatchPolicy:
         governed = [p.cap for p in plans if p.acceptance is not None]
         if not governed:
             return 0
+        if self._probed_requests and self._probed_requests.isdisjoint(p.request for p in plans):
+            # Every request the failed probes looked at has left: acceptance differs widely between
+            # requests, so the grown wait says nothing about these. Keeping it made a lone client's
+            # later requests wait up to 128 steps, longer than their answers, and decode plainly
+            # where the single-request engine, whose wait starts over per request, drafted.
+            self.probes.restart()
+            self._probed_requests.clear()
         k = self._best_k(plans, span)
         if k > 0 and self._exclude_unpaid_catch_ups(plans, span, k, joining):
             k = self._best_k(plans, span)
@@ -271,8 +281,12 @@ class BatchPolicy:
                     if any(p.cap > 0 for p in plans if p.acceptance is not None):
                         k = probe
                         self.probes.ran()
+                        # The whole batch it was taken in, not only the rows that drafted: at 8 clients
+                        # the wait then starts over once per turnover of the batch, not per answer.
+                        self._probed_requests.update(p.request for p in plans if p.request is not None)
         else:
             self.probes.speculating()
+            self._probed_requests.clear()
         self.chosen[k] = self.chosen.get(k, 0) + 1
         return k
 

@@ -250,6 +250,10 @@ class ProbeSchedule:
 
     def speculating(self) -> None:
         """The policy chose to speculate."""
+        self.restart()
+
+    def restart(self) -> None:
+        """Start the wait over at ``every``: what the back-off learned no longer applies."""
         self._streak, self._gap, self._probed = 0, 0, False
 
 
