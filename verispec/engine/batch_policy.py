@@ -248,9 +248,9 @@ class BatchPolicy:
             return 0
         if self._probed_requests and self._probed_requests.isdisjoint(p.request for p in plans):
             # Every request the failed probes looked at has left: acceptance differs widely between
-            # requests, so the grown wait says nothing about these. Keeping it made a lone client's
-            # later requests wait up to 128 steps, longer than their answers, and decode plainly
-            # where the single-request engine, whose wait starts over per request, drafted.
+            # requests, so the grown wait says nothing about these. Kept, it could make a lone
+            # client's later requests wait up to 128 steps, longer than their answers, where the
+            # single-request engine's wait starts over with every request.
             self.probes.restart()
             self._probed_requests.clear()
         k = self._best_k(plans, span)
