@@ -126,24 +126,28 @@ class BatchCostModel:
         if self.context < 0 or self.target_context_s < 0 or self.draft_context_s < 0:
             raise ValueError("context and the per-position costs must be >= 0")
 
+    def _beyond(self, n: int, context: int, per_position_s: float) -> float:
+        """Seconds ``n`` scored tokens (or draft rows) pay for the context past the profiled one."""
+        return n * max(0, context - self.context) * per_position_s
+
     def target_s(self, tokens: int, context: int = 0) -> float:
         """Predicted seconds of a target forward scoring ``tokens`` tokens that attend to ``context`` positions."""
-        return self.target(tokens) + tokens * max(0, context - self.context) * self.target_context_s
+        return self.target(tokens) + self._beyond(tokens, context, self.target_context_s)
 
     def draft_s(self, rows: int, context: int = 0) -> float:
         """Predicted seconds of one lockstep draft forward of ``rows`` rows at ``context`` positions."""
         if self.draft is None:
             return 0.0
-        return self.draft(rows) + rows * max(0, context - self.context) * self.draft_context_s
+        return self.draft(rows) + self._beyond(rows, context, self.draft_context_s)
 
     def observe_target(self, tokens: int, seconds: float, context: int = 0) -> None:
         """Fold in a measured target forward; the curve learns the time its context does not explain."""
-        self.target.observe(tokens, seconds - (self.target_s(tokens, context) - self.target(tokens)))
+        self.target.observe(tokens, seconds - self._beyond(tokens, context, self.target_context_s))
 
     def observe_draft(self, rows: int, seconds: float, context: int = 0) -> None:
         """Fold in a measured lockstep draft forward (as :meth:`observe_target`)."""
         if self.draft is not None:
-            self.draft.observe(rows, seconds - (self.draft_s(rows, context) - self.draft(rows)))
+            self.draft.observe(rows, seconds - self._beyond(rows, context, self.draft_context_s))
 
     def catch_up_s(self, tokens: int) -> float:
         """Predicted seconds for one row's draft to read ``tokens`` tokens of context."""
@@ -251,8 +255,7 @@ class BatchPolicy:
             # requests, so the grown wait says nothing about these. Kept, it could make a lone
             # client's later requests wait up to 128 steps, longer than their answers, where the
             # single-request engine's wait starts over with every request.
-            self.probes.restart()
-            self._probed_requests.clear()
+            self._restart_probes()
         k = self._best_k(plans, span)
         if k > 0 and self._exclude_unpaid_catch_ups(plans, span, k, joining):
             k = self._best_k(plans, span)
@@ -285,10 +288,13 @@ class BatchPolicy:
                         # the wait then starts over once per turnover of the batch, not per answer.
                         self._probed_requests.update(p.request for p in plans if p.request is not None)
         else:
-            self.probes.speculating()
-            self._probed_requests.clear()
+            self._restart_probes()  # choosing to speculate starts the wait over
         self.chosen[k] = self.chosen.get(k, 0) + 1
         return k
+
+    def _restart_probes(self) -> None:
+        self.probes.restart()
+        self._probed_requests.clear()
 
     def _exclude_unpaid_catch_ups(self, plans: list[RowPlan], span: int | None, k: int, joining: int = 0,
                                   optimistic: bool = False) -> bool:
@@ -375,11 +381,14 @@ def profile_costs(target: Transformer, draft: Transformer | None, max_rows: int,
     (default 8 x ``context``; not at all if it is not longer).
     """
     batch_sizes = sorted({1 << i for i in range(max_rows.bit_length()) if 1 << i <= max_rows} | {max_rows})
-    target_pts = _time_grid(target, batch_sizes, range(1, k_max + 2), context, reps)
-    draft_pts = _time_grid(draft, batch_sizes, (1,), context, reps) if draft is not None else None
+    target_grid = _time_grid(target, batch_sizes, range(1, k_max + 2), context, reps)
+    draft_grid = _time_grid(draft, batch_sizes, (1,), context, reps) if draft is not None else None
+    target_pts = _by_tokens(target_grid)
+    draft_pts = _by_tokens(draft_grid) if draft_grid is not None else None
     long_context = 8 * context if long_context is None else long_context
-    rows = min(max_rows, 16)  # the per-position cost hardly depends on the rows; more would only cost memory
-    target_context_s = _context_slope(target, [(rows, 1), (rows, 2), (1, k_max + 1)], context, long_context, reps)
+    rows = min(max_rows, 16)  # a grid batch size; the per-position cost hardly depends on the rows
+    shapes = list(dict.fromkeys([(rows, 1), (rows, min(2, k_max + 1)), (1, k_max + 1)]))
+    target_context_s = _context_slope(target, target_grid, shapes, context, long_context, reps)
     catch_up = draft_context_s = 0.0
     if draft is not None:  # one row reading a context-token prompt, as a new row's catch-up does
         cache = draft.new_cache(1, context)
@@ -387,15 +396,16 @@ def profile_costs(target: Transformer, draft: Transformer | None, max_rows: int,
         pos = torch.arange(context, device=draft.device).unsqueeze(0)
         times = seconds_of(lambda: draft(tokens, pos, cache, last_only=True), draft.device, reps)
         catch_up = max(0.0, min(times) - draft_pts[1]) / context  # beyond one one-row forward
-        draft_context_s = _context_slope(draft, [(rows, 1), (1, 1)], context, long_context, reps)
+        draft_context_s = _context_slope(draft, draft_grid, [(rows, 1), (1, 1)], context, long_context, reps)
     return BatchCostModel(CostCurve(target_pts), CostCurve(draft_pts) if draft_pts else None, catch_up,
                           context=context, target_context_s=target_context_s, draft_context_s=draft_context_s)
 
 
-def _context_slope(model: Transformer, shapes: list[tuple[int, int]], context: int, long_context: int,
-                   reps: int) -> float:
+def _context_slope(model: Transformer, short: dict[tuple[int, int], float], shapes: list[tuple[int, int]],
+                   context: int, long_context: int, reps: int) -> float:
     """Seconds per scored token per context position: forwards of B rows x m tokens (``shapes``) timed
-    at ``context`` and at ``long_context`` positions (the median over shapes, never below 0)."""
+    at ``long_context`` positions against their ``short`` (grid) times at ``context`` (the median
+    over shapes, never below 0)."""
     if long_context <= context:
         return 0.0
     device = model.device
@@ -404,29 +414,34 @@ def _context_slope(model: Transformer, shapes: list[tuple[int, int]], context: i
     slopes = []
     for b, m in shapes:
         tokens = ((torch.arange(m, device=device) * 7 + 3) % model.args.vocab_size).expand(b, -1).contiguous()
-        best = []
-        for at in (context, long_context):
-            pos = (at + torch.arange(m, device=device)).expand(b, -1)
-            best.append(min(seconds_of(lambda tokens=tokens, pos=pos, b=b: model(tokens, pos, cache, rows=slice(0, b)),
-                                       device, reps)))
-        slopes.append((best[1] - best[0]) / (b * m * (long_context - context)))
+        pos = (long_context + torch.arange(m, device=device)).expand(b, -1)
+        long = min(seconds_of(
+            lambda tokens=tokens, pos=pos, b=b: model(tokens, pos, cache, rows=slice(0, b)), device, reps))
+        slopes.append((long - short[b, m]) / (b * m * (long_context - context)))
     return max(0.0, statistics.median(slopes))
 
 
 def _time_grid(model: Transformer, batch_sizes: list[int], widths: range | tuple[int, ...], context: int,
-               reps: int) -> dict[int, float]:
+               reps: int) -> dict[tuple[int, int], float]:
+    """The fastest of ``reps`` forwards of B rows x m tokens at ``context``, per (B, m)."""
     device = model.device
     cache = model.new_cache(max(batch_sizes), context + max(widths))
     prefix = (torch.arange(context, device=device) * 7 + 3) % model.args.vocab_size
     model(prefix.expand(cache.batch, -1).contiguous(), torch.arange(context, device=device).expand(cache.batch, -1),
           cache, last_only=True)
-    samples: dict[int, list[float]] = {}
+    times: dict[tuple[int, int], float] = {}
     for b in batch_sizes:
         for m in widths:
             tokens = prefix[:m].expand(b, -1).contiguous()
             pos = (context + torch.arange(m, device=device)).expand(b, -1)
-            times = seconds_of(lambda tokens=tokens, pos=pos, b=b: model(tokens, pos, cache, rows=slice(0, b)),
-                             device, reps)
-            samples.setdefault(b * m, []).append(min(times))
-    return {t: sum(v) / len(v) for t, v in samples.items()}
+            times[b, m] = min(seconds_of(
+                lambda tokens=tokens, pos=pos, b=b: model(tokens, pos, cache, rows=slice(0, b)), device, reps))
+    return times
 
+
+def _by_tokens(grid: dict[tuple[int, int], float]) -> dict[int, float]:
+    """Grid times per scored-token count (B x m), shapes of the same count averaged."""
+    samples: dict[int, list[float]] = {}
+    for (b, m), t in grid.items():
+        samples.setdefault(b * m, []).append(t)
+    return {t: sum(v) / len(v) for t, v in samples.items()}

@@ -248,12 +248,9 @@ class ProbeSchedule:
         """A probe step runs now."""
         self._probed, self._streak = True, 0
 
-    def speculating(self) -> None:
-        """The policy chose to speculate."""
-        self.restart()
-
     def restart(self) -> None:
-        """Start the wait over at ``every``: what the back-off learned no longer applies."""
+        """Start the wait over at ``every``: the policy chose to speculate, or what the back-off
+        learned no longer applies."""
         self._streak, self._gap, self._probed = 0, 0, False
 
 
@@ -302,7 +299,7 @@ class CostK(KPolicy):
                     k = probe
                     self.probes.ran()
         else:
-            self.probes.speculating()
+            self.probes.restart()  # choosing to speculate starts the wait over
         self.chosen.append(k)
         return k
 
