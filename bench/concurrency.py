@@ -337,8 +337,8 @@ def main() -> None:
     (args.out / "concurrency.json").write_text(json.dumps(
         {"machine": info, "args": {k: str(v) for k, v in vars(args).items()}, "rows": rows,
          "profiled_target_s": costs.target.points, "profiled_draft_s": costs.draft.points if costs.draft else None,
-         "profiled_context": costs.context, "target_context_s": costs.target_context_s,
-         "draft_context_s": costs.draft_context_s,
+         "profiled_context": costs.per_position.context, "target_context_s": costs.per_position.target_s,
+         "draft_context_s": costs.per_position.draft_s,
          "mean_tokens_per_s": {m: statistics.mean(r["tokens_per_s"] for r in rows if r["mode"] == m)
                                for m in modes if any(r["mode"] == m for r in rows)}}, indent=2))
     plot(rows, args.out / "concurrency.png", title)

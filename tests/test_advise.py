@@ -9,7 +9,17 @@ import statistics
 import pytest
 
 from verispec.advise import advise, format_advice
-from verispec.engine.policy import Acceptance, AcceptanceSpread, AnswerLengths, CostK, CostModel, expected_tokens
+from verispec.engine.policy import (
+    MIN_GAIN,
+    Acceptance,
+    AcceptanceSpread,
+    AnswerLengths,
+    ContextCost,
+    CostK,
+    CostModel,
+    expected_tokens,
+    per_position_s,
+)
 
 
 def test_expected_tokens_matches_the_geometric_sum():
@@ -43,6 +53,56 @@ def test_online_timings_rescale_the_whole_curve():
         costs.observe(k=1, drafted=1, propose_s=0.01, score_s=0.22)  # the machine got twice as slow
     assert costs.verify_s[0] == pytest.approx(0.2, rel=1e-3)
     assert costs.verify_s[2] == pytest.approx(0.24, rel=1e-3)  # never observed, corrected with the rest
+
+
+def test_long_contexts_make_a_lone_requests_drafts_dearer():
+    # Each scored token (draft token) pays per position beyond the profiled 64: at 1000 positions
+    # three scored tokens cost 0.14 s more than at 64, where one costs 0.05 s more.
+    costs = CostModel(draft_s=0.01, verify_s=[0.1, 0.1, 0.1], per_position=ContextCost(64, 50e-6, 20e-6))
+    assert costs.step_s(2, context=1000) == pytest.approx(2 * (0.01 + 936 * 20e-6) + 0.1 + 3 * 936 * 50e-6)
+    assert costs.step_s(2, context=10) == costs.step_s(2) == pytest.approx(0.12)
+    assert costs.best_k(0.5, 2, MIN_GAIN) == 2
+    assert costs.best_k(0.5, 2, MIN_GAIN, context=1000) == 0
+    # Plain steps at 1000 positions take what the context explains: the curve's level holds.
+    # Context-blind, the same steps raise it by half and the drafts (whose cost stays) look cheap.
+    blind = CostModel(draft_s=0.01, verify_s=[0.1, 0.1, 0.1])
+    for model in (costs, blind):
+        for _ in range(100):
+            model.observe(0, 0, 0.0, 0.1 + 936 * 50e-6, context=1000)
+    assert costs.verify_s == pytest.approx([0.1, 0.1, 0.1])
+    assert blind.verify_s[0] == pytest.approx(0.1468, rel=1e-3)
+    policies = [CostK(m, k_max=2, acceptance=Acceptance(prior_a=0.5, prior_weight=1e9)) for m in (costs, blind)]
+    assert [p.choose(2, context=1000) for p in policies] == [0, 2]
+    # A time the context does not explain still moves the level.
+    costs.observe(0, 0, 0.0, 0.11 + 936 * 50e-6, context=1000)
+    assert costs.verify_s[0] == pytest.approx(0.101)
+
+
+def test_per_position_cost_is_the_median_slope_never_negative():
+    short = {(1, 1): 0.1, (1, 3): 0.12, (4, 1): 0.2}
+    long = {(1, 1): 0.1 + 100 * 1e-4, (1, 3): 0.12 + 3 * 100 * 2e-4, (4, 1): 0.2 + 4 * 100 * 3e-4}
+    assert per_position_s(short, long, 64, 164) == pytest.approx(2e-4)
+    assert per_position_s(short, {(1, 1): 0.09}, 64, 164) == 0.0  # noise made the long forward faster
+    assert per_position_s(short, long, 64, 64) == 0.0 and per_position_s(short, {}, 64, 164) == 0.0
+    with pytest.raises(ValueError):
+        ContextCost(64, draft_s=-1.0)
+
+
+def test_the_engine_profiles_what_each_further_position_costs(qwen2_tiny, qwen2_draft_tiny):
+    from verispec import Engine, SamplingParams, SpecConfig
+
+    engine = Engine.from_pretrained(qwen2_tiny.path, draft=qwen2_draft_tiny.path, dtype="float32", max_len=256,
+                                    progress=False)
+    spec = SpecConfig("draft", k=3, k_policy="cost")
+    costs = engine.profile(engine.drafter(spec), k_max=3, context=16)
+    assert costs.per_position.context == 16 and len(costs.verify_s) == 4
+    assert costs.per_position.target_s >= 0 and costs.per_position.draft_s >= 0
+    assert costs.draft_s > 0 and all(t > 0 for t in costs.verify_s)
+    # No room for a longer context: no per-position term (and no error).
+    assert engine.profile(None, k_max=3, context=16, long_context=8).per_position.target_s == 0.0
+    # The profile leaves the engine ready: a request afterwards decodes as before.
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    assert engine.generate([3, 4, 5], params, spec)[0].token_ids == engine.generate([3, 4, 5], params)[0].token_ids
 
 
 def test_cost_policy_probes_after_a_run_of_plain_steps():
@@ -145,10 +205,12 @@ def test_the_engine_gives_the_cost_policy_the_expected_answer_length(qwen2_tiny,
     from verispec import Engine, SamplingParams, SpecConfig
 
     seen: list[int | None] = []
+    contexts: list[int] = []
 
     class Spy(CostK):
-        def choose(self, k_cap: int, remaining: int | None = None, catch_up: int = 0) -> int:
+        def choose(self, k_cap: int, remaining: int | None = None, catch_up: int = 0, context: int = 0) -> int:
             seen.append(remaining)
+            contexts.append(context)
             return 0
 
     monkeypatch.setattr(engine_module, "make_policy", lambda spec, costs, prior: Spy(costs, k_max=spec.k))
@@ -157,6 +219,7 @@ def test_the_engine_gives_the_cost_policy_the_expected_answer_length(qwen2_tiny,
     spec, params = SpecConfig("draft", k=4, k_policy="cost"), SamplingParams(max_tokens=40, ignore_eos=True)
     engine.generate([3, 4, 5, 6], params, spec)
     assert seen[0] == 40 and seen[-1] == 1  # no history yet: the limit, counting down
+    assert contexts == list(range(4, 44))  # the tokens the sequence holds: what a step attends to
     for _ in range(3):
         engine.answer_lengths.add(6, cut=False)
     seen.clear()

@@ -19,6 +19,7 @@ from drafters_common import build_tok_model
 from verispec import Engine, EngineConfig, SamplingParams, SpecConfig, VerispecError
 from verispec.engine.batch import BatchEngine
 from verispec.engine.batch_policy import BatchCostModel, BatchPolicy, CostCurve, RowPlan, monotone_fit
+from verispec.engine.policy import ContextCost
 from verispec.engine.scheduler import Scheduler
 
 # make_tiny's eos_token_id, plus a token the tiny target emits often, so that some requests stop early.
@@ -459,9 +460,8 @@ def test_long_contexts_make_drafting_dearer_not_free():
     # 64-token context, and each scored token pays ~55 us per further position (the draft's rows
     # ~35 us). Plain steps of 16 rows near context 1000 take 1.52 s.
     def costs(per_position: bool) -> BatchCostModel:
-        return BatchCostModel(CostCurve({16: 0.7, 32: 1.34}), CostCurve({16: 0.25}), context=64,
-                              target_context_s=55e-6 if per_position else 0.0,
-                              draft_context_s=35e-6 if per_position else 0.0)
+        return BatchCostModel(CostCurve({16: 0.7, 32: 1.34}), CostCurve({16: 0.25}),
+                              per_position=ContextCost(64, 55e-6, 35e-6) if per_position else ContextCost())
 
     def after_plain_steps(model: BatchCostModel) -> BatchPolicy:
         for _ in range(30):
@@ -490,7 +490,7 @@ def test_long_contexts_make_drafting_dearer_not_free():
     aware.costs.observe_target(16, 0.7 + 16 * 936 * 55e-6 + 0.1, context=1000)
     assert aware.costs.target.points[16] == pytest.approx(0.71)
     with pytest.raises(ValueError):
-        BatchCostModel(CostCurve({1: 0.1}), target_context_s=-1.0)
+        ContextCost(64, target_s=-1.0)
 
 
 def test_cost_curve_learns_between_profiled_points_only():
@@ -517,9 +517,12 @@ def test_cost_curve_pools_an_outlier_with_its_neighbours():
 def test_profiled_costs_are_monotone(engine):
     be = BatchEngine(engine, max_batch=4)
     costs = be.profile(k_max=3, context=32)
-    assert costs.catch_up_per_token_s > 0
+    # A tiny draft reads 32 tokens about as fast as one (overhead-bound): the read's cost beyond one
+    # forward can be timed as 0, never below.
+    assert costs.catch_up_per_token_s >= 0
     # What each further position costs is timed within a slot's length (124 here, not 8 x 32).
-    assert costs.context == 32 and costs.target_context_s >= 0 and costs.draft_context_s >= 0
+    assert costs.per_position.context == 32
+    assert costs.per_position.target_s >= 0 and costs.per_position.draft_s >= 0
     assert set(costs.target.points) >= {1, 4, 16}
     assert costs.draft is not None
     values = [costs.target(t) for t in range(1, 40)]

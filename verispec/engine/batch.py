@@ -437,8 +437,8 @@ class BatchEngine:
             self.policy = BatchPolicy(self.costs)
             c = self.costs
             logger.info("batch costs at %d-token context: target %s, draft %s; per token and further position: "
-                        "target %.2g s, draft %.2g s", c.context, _fmt(c.target.points),
-                        _fmt(c.draft.points) if c.draft else "-", c.target_context_s, c.draft_context_s)
+                        "target %.2g s, draft %.2g s", c.per_position.context, _fmt(c.target.points),
+                        _fmt(c.draft.points) if c.draft else "-", c.per_position.target_s, c.per_position.draft_s)
             return self.costs
 
     def _loop(self) -> None:

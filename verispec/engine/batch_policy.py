@@ -17,14 +17,13 @@ row, from each row's own acceptance estimate). Rows that fix their own k (``k_po
 
 from __future__ import annotations
 
-import statistics
 from bisect import bisect_left
 from dataclasses import dataclass, field
 
 import torch
 
 from verispec.engine.metrics import seconds_of
-from verispec.engine.policy import MIN_GAIN, ProbeSchedule, expected_tokens
+from verispec.engine.policy import MIN_GAIN, ContextCost, ProbeSchedule, expected_tokens, per_position_s
 from verispec.models.llama import Transformer
 
 # A probe asks whether speculation could pay at the best acceptance the batch plausibly has: its
@@ -103,12 +102,11 @@ class BatchCostModel:
     """Step time of a batch: target forwards against scored tokens, lockstep draft forwards against rows.
 
     ``draft`` is None for drafters that cost (next to) nothing, such as n-gram lookup. Both curves
-    hold times at a ``context``-token context; each scored token (draft forward row) attending to
-    more pays ``target_context_s`` (``draft_context_s``) per further position. Without that term a
-    busy batch at long contexts measured its plain steps far above the curve, observations raised
-    only the plain width's point, the monotone fit pooled it with the wider (unobserved, still
-    short-context) points, and drafting looked nearly free: 16 clients at contexts near 1000
-    drafted on steps that cost twice what they predicted.
+    hold times at ``per_position.context`` positions; each scored token (draft forward row)
+    attending to more pays :class:`~verispec.engine.policy.ContextCost`'s per-position term. Without
+    it a busy batch at long contexts measured its plain steps far above the curve, observations
+    raised only the plain width's point, the monotone fit pooled it with the wider (unobserved,
+    still short-context) points, and drafting looked nearly free.
     """
 
     target: CostCurve
@@ -118,36 +116,26 @@ class BatchCostModel:
     # forward plus this many seconds per token read. A one-off cost per row, not per step.
     catch_up_per_token_s: float = 0.0
     smoothing: float = 0.1
-    context: int = 0  # the context the curves were measured at
-    target_context_s: float = 0.0  # seconds per scored token per context position beyond ``context``
-    draft_context_s: float = 0.0  # the same per row of a lockstep draft forward
-
-    def __post_init__(self) -> None:
-        if self.context < 0 or self.target_context_s < 0 or self.draft_context_s < 0:
-            raise ValueError("context and the per-position costs must be >= 0")
-
-    def _beyond(self, n: int, context: int, per_position_s: float) -> float:
-        """Seconds ``n`` scored tokens (or draft rows) pay for the context past the profiled one."""
-        return n * max(0, context - self.context) * per_position_s
+    per_position: ContextCost = field(default_factory=ContextCost)
 
     def target_s(self, tokens: int, context: int = 0) -> float:
         """Predicted seconds of a target forward scoring ``tokens`` tokens that attend to ``context`` positions."""
-        return self.target(tokens) + self._beyond(tokens, context, self.target_context_s)
+        return self.target(tokens) + self.per_position.target(tokens, context)
 
     def draft_s(self, rows: int, context: int = 0) -> float:
         """Predicted seconds of one lockstep draft forward of ``rows`` rows at ``context`` positions."""
         if self.draft is None:
             return 0.0
-        return self.draft(rows) + self._beyond(rows, context, self.draft_context_s)
+        return self.draft(rows) + self.per_position.draft(rows, context)
 
     def observe_target(self, tokens: int, seconds: float, context: int = 0) -> None:
         """Fold in a measured target forward; the curve learns the time its context does not explain."""
-        self.target.observe(tokens, seconds - self._beyond(tokens, context, self.target_context_s))
+        self.target.observe(tokens, seconds - self.per_position.target(tokens, context))
 
     def observe_draft(self, rows: int, seconds: float, context: int = 0) -> None:
         """Fold in a measured lockstep draft forward (as :meth:`observe_target`)."""
         if self.draft is not None:
-            self.draft.observe(rows, seconds - self._beyond(rows, context, self.draft_context_s))
+            self.draft.observe(rows, seconds - self.per_position.draft(rows, context))
 
     def catch_up_s(self, tokens: int) -> float:
         """Predicted seconds for one row's draft to read ``tokens`` tokens of context."""
@@ -398,27 +386,25 @@ def profile_costs(target: Transformer, draft: Transformer | None, max_rows: int,
         catch_up = max(0.0, min(times) - draft_pts[1]) / context  # beyond one one-row forward
         draft_context_s = _context_slope(draft, draft_grid, [(rows, 1), (1, 1)], context, long_context, reps)
     return BatchCostModel(CostCurve(target_pts), CostCurve(draft_pts) if draft_pts else None, catch_up,
-                          context=context, target_context_s=target_context_s, draft_context_s=draft_context_s)
+                          per_position=ContextCost(context, target_context_s, draft_context_s))
 
 
 def _context_slope(model: Transformer, short: dict[tuple[int, int], float], shapes: list[tuple[int, int]],
                    context: int, long_context: int, reps: int) -> float:
     """Seconds per scored token per context position: forwards of B rows x m tokens (``shapes``) timed
-    at ``long_context`` positions against their ``short`` (grid) times at ``context`` (the median
-    over shapes, never below 0)."""
+    at ``long_context`` positions against their ``short`` (grid) times at ``context``."""
     if long_context <= context:
         return 0.0
     device = model.device
     # Keys past what was ever written are zeros: what they hold does not change a forward's time.
     cache = model.new_cache(max(b for b, _ in shapes), long_context + max(m for _, m in shapes))
-    slopes = []
+    long = {}
     for b, m in shapes:
         tokens = ((torch.arange(m, device=device) * 7 + 3) % model.args.vocab_size).expand(b, -1).contiguous()
         pos = (long_context + torch.arange(m, device=device)).expand(b, -1)
-        long = min(seconds_of(
+        long[b, m] = min(seconds_of(
             lambda tokens=tokens, pos=pos, b=b: model(tokens, pos, cache, rows=slice(0, b)), device, reps))
-        slopes.append((long - short[b, m]) / (b * m * (long_context - context)))
-    return max(0.0, statistics.median(slopes))
+    return per_position_s(short, long, context, long_context)
 
 
 def _time_grid(model: Transformer, batch_sizes: list[int], widths: range | tuple[int, ...], context: int,

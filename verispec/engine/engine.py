@@ -15,7 +15,7 @@ from verispec.drafters import make_drafter
 from verispec.drafters.base import Drafter
 from verispec.engine.compiled import cache_slack, compile_model
 from verispec.engine.metrics import Metrics, seconds_of
-from verispec.engine.policy import Acceptance, AnswerLengths, CostModel, make_policy
+from verispec.engine.policy import Acceptance, AnswerLengths, ContextCost, CostModel, make_policy, per_position_s
 from verispec.engine.step import speculative_step
 from verispec.engine.stopping import append_tokens, final_text, hit_stop, k_cap
 from verispec.errors import VerispecError
@@ -141,49 +141,73 @@ class Engine:
         return costs
 
     @torch.inference_mode()
-    def profile(self, drafter: Drafter | None, k_max: int, context: int = 64, reps: int = 5) -> CostModel:
-        """Time target forwards of 1..k_max+1 tokens and one draft token on a dummy context."""
+    def profile(self, drafter: Drafter | None, k_max: int, context: int = 64, reps: int = 5,
+                long_context: int | None = None) -> CostModel:
+        """Time target forwards of 1..k_max+1 tokens and one draft token on a dummy context.
+
+        What each further position of context costs is timed at ``long_context`` (default 8 x
+        ``context``, within ``max_len``; not at all if that is not longer): a request spends most
+        of its steps far past a 64-token context.
+        """
         vocab = self.target.args.vocab_size
         context = max(2, min(context, self.config.max_len - k_max - 2))
-        seq = [(7 * i + 3) % vocab for i in range(context)]
+        long_context = max(context, min(8 * context if long_context is None else long_context,
+                                        self.config.max_len - k_max - 2))
+        seq = [(7 * i + 3) % vocab for i in range(long_context)]
         self.cache.reset(0)
         dev = self.target.device
-        self.target(torch.tensor([seq[:-1]], device=dev), torch.arange(context - 1, device=dev).unsqueeze(0),
+        self.target(torch.tensor([seq[:context - 1]], device=dev), torch.arange(context - 1, device=dev).unsqueeze(0),
                     self.cache, last_only=True)
-        self.cache.lengths[0] = context - 1
-        verify_s = []
-        for m in range(1, k_max + 2):
-            tokens = torch.tensor([seq[-m:]], device=dev)
-            pos = torch.arange(context - 1, context - 1 + m, device=dev).unsqueeze(0)
-            times = seconds_of(lambda tokens=tokens, pos=pos, m=m: self.target(tokens, pos, self.cache,
-                                                                               kv_len=context - 1 + m),
-                               dev, reps, warmup=0)
-            verify_s.append(min(times))  # noise only ever adds time
-        draft_s = catch_up_s = 0.0
+
+        def score_s(at: int, m: int) -> float:  # keys past what was written are stale: same time
+            tokens = torch.tensor([seq[:m]], device=dev)
+            pos = torch.arange(at - 1, at - 1 + m, device=dev).unsqueeze(0)
+            times = seconds_of(lambda: self.target(tokens, pos, self.cache, kv_len=at - 1 + m), dev, reps, warmup=0)
+            return min(times)  # noise only ever adds time
+
+        verify_s = [score_s(context, m) for m in range(1, k_max + 2)]
+        widths = (1, k_max + 1) if long_context > context else ()
+        target_per_position = per_position_s({(1, m): verify_s[m - 1] for m in widths},
+                                             {(1, m): score_s(long_context, m) for m in widths}, context, long_context)
+        draft_s = catch_up_s = draft_per_position = 0.0
         if drafter is not None:
             greedy = SamplingParams(max_tokens=k_max + 1)
-            drafter.begin(seq)
-            reads = drafter.catch_up_tokens(seq)
-            drafter.propose(seq, 1, greedy, None)  # warm-up, and catch up on the context
+            short = seq[:context]
+            drafter.begin(short)
+            reads = drafter.catch_up_tokens(short)
+            drafter.propose(short, 1, greedy, None)  # warm-up, and catch up on the context
             catch_up = []
             for _ in range(2 if reads else 0):
-                drafter.begin(seq)
+                drafter.begin(short)
                 t0 = time.perf_counter()
-                drafter.propose(seq, 1, greedy, None)
+                drafter.propose(short, 1, greedy, None)
                 catch_up.append(time.perf_counter() - t0)
-            per_token = []
-            for _ in range(reps):
-                drafter.commit(context - 1)
-                t0 = time.perf_counter()
-                n = len(drafter.propose(seq, 4, greedy, None).tokens)
-                per_token.append((time.perf_counter() - t0) / max(n, 1))
-            draft_s = min(per_token)
+            draft_s = self._draft_token_s(drafter, short, greedy, reps)
             if reads:
                 catch_up_s = max(0.0, min(catch_up) - draft_s) / reads
+            if widths:
+                drafter.begin(seq)
+                drafter.propose(seq, 1, greedy, None)  # catch up on the long context
+                draft_per_position = per_position_s({(1, 1): draft_s},
+                                                    {(1, 1): self._draft_token_s(drafter, seq, greedy, reps)},
+                                                    context, long_context)
         self.cache.reset(0)
-        logger.info("profiled costs: draft %.1f ms/token, catch-up %.2f ms/token, verify %s ms", draft_s * 1e3,
-                    catch_up_s * 1e3, [round(t * 1e3, 1) for t in verify_s])
-        return CostModel(draft_s, verify_s, catch_up_s)
+        logger.info("profiled costs at %d-token context: draft %.1f ms/token, catch-up %.2f ms/token, verify %s ms; "
+                    "per token and further position: target %.2g s, draft %.2g s", context, draft_s * 1e3,
+                    catch_up_s * 1e3, [round(t * 1e3, 1) for t in verify_s], target_per_position, draft_per_position)
+        return CostModel(draft_s, verify_s, catch_up_s,
+                         per_position=ContextCost(context, target_per_position, draft_per_position))
+
+    @staticmethod
+    def _draft_token_s(drafter: Drafter, seq: list[int], greedy: SamplingParams, reps: int) -> float:
+        """The fastest of ``reps`` proposals after ``seq`` (already read), per drafted token."""
+        per_token = []
+        for _ in range(reps):
+            drafter.commit(len(seq) - 1)
+            t0 = time.perf_counter()
+            n = len(drafter.propose(seq, 4, greedy, None).tokens)
+            per_token.append((time.perf_counter() - t0) / max(n, 1))
+        return min(per_token)
 
     # -- tokenization ---------------------------------------------------------------------
 
@@ -285,7 +309,8 @@ class Engine:
             # A trusted lookup costs no draft time: it is drafted whatever the policy would say, and
             # the policy learns nothing from it (its acceptance and costs are the model drafter's).
             free = drafter.free_tokens(seq, cap, params, generator) if drafter is not None and cap else 0
-            k = free or (policy.choose(cap, horizon, drafter.catch_up_tokens(seq)) if drafter is not None else 0)
+            k = free or (policy.choose(cap, horizon, drafter.catch_up_tokens(seq), len(seq))
+                         if drafter is not None else 0)
             drafted, accepted, propose_s, score_s = m.drafted, m.accepted, m.stage_s["propose"], m.stage_s["score"]
             new = speculative_step(self.target, self.cache, seq, drafter, k, params, generator, m)
             if not free:

@@ -31,50 +31,102 @@ def expected_tokens(a: float, k: int) -> float:
 
 
 @dataclass
+class ContextCost:
+    """What a longer context adds to a forward: seconds per scored token (target) or per draft token
+    (draft) for each position of context beyond the ``context`` the cost curves were measured at.
+
+    Without it a cost model profiled at a short context is blind to where requests spend most
+    steps: 16 clients near 1000-token contexts drafted on steps that cost twice their prediction,
+    because the slower plain steps looked like noise on the plain width alone.
+    """
+
+    context: int = 0
+    target_s: float = 0.0
+    draft_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.context < 0 or self.target_s < 0 or self.draft_s < 0:
+            raise ValueError("context and the per-position costs must be >= 0")
+
+    def target(self, tokens: int, context: int) -> float:
+        """Seconds ``tokens`` scored tokens pay for attending to ``context`` positions, beyond the profiled ones."""
+        return tokens * max(0, context - self.context) * self.target_s
+
+    def draft(self, tokens: int, context: int) -> float:
+        """The same for ``tokens`` draft tokens (or rows of a lockstep draft forward)."""
+        return tokens * max(0, context - self.context) * self.draft_s
+
+
+def per_position_s(short: dict[tuple[int, int], float], long: dict[tuple[int, int], float], context: int,
+                   long_context: int) -> float:
+    """Seconds per scored token per position of context, from forwards of B rows x m tokens (the keys)
+    timed at ``context`` (``short``) and at ``long_context`` (``long``): the median over shapes, never
+    below 0 (noise on a shared host can make one long forward faster than its short twin)."""
+    if long_context <= context or not long:
+        return 0.0
+    slopes = [(long[b, m] - short[b, m]) / (b * m * (long_context - context)) for b, m in long]
+    return max(0.0, statistics.median(slopes))
+
+
+@dataclass
 class CostModel:
-    """Measured seconds: one draft token, and a target forward scoring m tokens (index m - 1)."""
+    """Measured seconds: one draft token, and a target forward scoring m tokens (index m - 1), both at
+    ``per_position.context`` positions; longer contexts add :class:`ContextCost`'s terms."""
 
     draft_s: float
     verify_s: list[float]
     catch_up_per_token_s: float = 0.0  # the drafter reading context it has not seen (a draft prefill)
     smoothing: float = 0.1  # weight of a new observation in the running averages
+    per_position: ContextCost = field(default_factory=ContextCost)
 
     def catch_up_s(self, tokens: int) -> float:
         """Predicted seconds for the drafter to read ``tokens`` tokens of context before drafting."""
         return tokens * self.catch_up_per_token_s
 
-    def step_s(self, k: int) -> float:
-        """Predicted seconds of one step drafting k tokens (k + 1 <= len(verify_s))."""
-        return k * self.draft_s + self.verify_s[k]
+    def draft_token_s(self, context: int = 0) -> float:
+        """Predicted seconds of one draft token at ``context`` positions."""
+        return self.draft_s + self.per_position.draft(1, context)
 
-    def speed(self, a: float, k: int, hit: float = 1.0) -> float:
-        """Predicted tokens per second at acceptance a and k drafts per step.
+    def score_s(self, m: int, context: int = 0) -> float:
+        """Predicted seconds of a target forward scoring ``m`` tokens at ``context`` positions."""
+        return self.verify_s[m - 1] + self.per_position.target(m, context)
+
+    def step_s(self, k: int, context: int = 0) -> float:
+        """Predicted seconds of one step drafting k tokens (k + 1 <= len(verify_s))."""
+        return k * self.draft_token_s(context) + self.score_s(k + 1, context)
+
+    def speed(self, a: float, k: int, hit: float = 1.0, context: int = 0) -> float:
+        """Predicted tokens per second at acceptance a and k drafts per step, at ``context`` positions.
 
         ``hit`` is the share of steps on which the drafter proposes at all (lookup drafters
         often find no match; such a step is a plain decoding step).
         """
+        plain_s = self.score_s(1, context)
         if k == 0:
-            return 1.0 / self.verify_s[0]
+            return 1.0 / plain_s
         tokens = hit * expected_tokens(a, k) + (1.0 - hit)
-        return tokens / (k * self.draft_s + hit * self.verify_s[k] + (1.0 - hit) * self.verify_s[0])
+        return tokens / (k * self.draft_token_s(context) + hit * self.score_s(k + 1, context) + (1.0 - hit) * plain_s)
 
-    def speedup(self, a: float, k: int, hit: float = 1.0) -> float:
+    def speedup(self, a: float, k: int, hit: float = 1.0, context: int = 0) -> float:
         """Predicted speedup over plain decoding."""
-        return self.speed(a, k, hit) * self.verify_s[0]
+        return self.speed(a, k, hit, context) * self.score_s(1, context)
 
-    def best_k(self, a: float, k_max: int, min_gain: float = 0.0) -> int:
+    def best_k(self, a: float, k_max: int, min_gain: float = 0.0, context: int = 0) -> int:
         """The k with the highest predicted speed; 0 unless it beats plain decoding by ``min_gain``."""
-        k = max(range(k_max + 1), key=lambda k: (self.speed(a, k), -k))
-        return k if self.speed(a, k) >= (1.0 + min_gain) * self.speed(a, 0) else 0
+        k = max(range(k_max + 1), key=lambda k: (self.speed(a, k, context=context), -k))
+        return k if self.speed(a, k, context=context) >= (1.0 + min_gain) * self.speed(a, 0, context=context) else 0
 
-    def observe(self, k: int, drafted: int, propose_s: float, score_s: float) -> None:
-        """Fold one step's timings in. The verification curve keeps its profiled shape and only
-        its level follows what steps measure: a policy sticking to one k would otherwise never
-        correct the entries of the k it does not try."""
+    def observe(self, k: int, drafted: int, propose_s: float, score_s: float, context: int = 0) -> None:
+        """Fold one step's timings at ``context`` positions in; what the context explains is not learned.
+        The verification curve keeps its profiled shape and only its level follows what steps
+        measure: a policy sticking to one k would otherwise never correct the entries of the k it
+        does not try."""
         w = self.smoothing
         if drafted:
-            self.draft_s += w * (propose_s / drafted - self.draft_s)
-        scale = 1.0 + w * (score_s / self.verify_s[k] - 1.0)
+            measured = propose_s / drafted - self.per_position.draft(1, context)
+            self.draft_s += w * (measured - self.draft_s)
+        measured = score_s - self.per_position.target(k + 1, context)
+        scale = 1.0 + w * (measured / self.verify_s[k] - 1.0)
         self.verify_s = [t * scale for t in self.verify_s]
 
 
@@ -82,12 +134,13 @@ class KPolicy(ABC):
     """Chooses k before each step and learns from what the step accepted."""
 
     @abstractmethod
-    def choose(self, k_cap: int, remaining: int | None = None, catch_up: int = 0) -> int:
+    def choose(self, k_cap: int, remaining: int | None = None, catch_up: int = 0, context: int = 0) -> int:
         """k for the next step, at most ``k_cap``.
 
         ``remaining`` is how many tokens the request is expected to still generate (at most what
-        its limits allow; see :class:`AnswerLengths`); ``catch_up`` how many
-        tokens of context the drafter has yet to read before it can draft (policies may ignore both).
+        its limits allow; see :class:`AnswerLengths`); ``catch_up`` how many tokens of context
+        the drafter has yet to read before it can draft; ``context`` how many tokens the sequence
+        holds (policies may ignore all three).
         """
 
     def update(self, k: int, drafted: int, accepted: int, propose_s: float, score_s: float) -> None:  # noqa: B027
@@ -98,7 +151,7 @@ class KPolicy(ABC):
 class FixedK(KPolicy):
     k: int
 
-    def choose(self, k_cap: int, remaining: int | None = None, catch_up: int = 0) -> int:
+    def choose(self, k_cap: int, remaining: int | None = None, catch_up: int = 0, context: int = 0) -> int:
         return min(self.k, k_cap)
 
 
@@ -110,7 +163,7 @@ class HeuristicK(KPolicy):
     k_max: int
     k_min: int = 1
 
-    def choose(self, k_cap: int, remaining: int | None = None, catch_up: int = 0) -> int:
+    def choose(self, k_cap: int, remaining: int | None = None, catch_up: int = 0, context: int = 0) -> int:
         return min(self.k, k_cap)
 
     def update(self, k: int, drafted: int, accepted: int, propose_s: float, score_s: float) -> None:
@@ -277,25 +330,28 @@ class CostK(KPolicy):
     probe_k: int = 2
     min_gain: float = MIN_GAIN  # the predicted gain over plain decoding that speculating must show
     _catch_up: int = 0
+    _context: int = 0
     chosen: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.probes = ProbeSchedule(self.probe_every, 8 * self.probe_every)
 
-    def choose(self, k_cap: int, remaining: int | None = None, catch_up: int = 0) -> int:
-        """``remaining``: tokens the request is expected to produce; ``catch_up``: tokens to read first."""
-        self._catch_up = catch_up
+    def choose(self, k_cap: int, remaining: int | None = None, catch_up: int = 0, context: int = 0) -> int:
+        """``remaining``: tokens the request is expected to produce; ``catch_up``: tokens to read first;
+        ``context``: tokens the sequence holds (a longer context makes every scored token dearer)."""
+        self._catch_up, self._context = catch_up, context
         a = self.acceptance.rate
-        k = self.costs.best_k(a, min(self.k_max, k_cap), self.min_gain)
-        if k > 0 and not self._worth_catching_up(a, k, remaining, catch_up):
+        k = self.costs.best_k(a, min(self.k_max, k_cap), self.min_gain, context)
+        if k > 0 and not self._worth_catching_up(a, k, remaining, catch_up, context):
             k = 0
         if k == 0:
             if self.probes.due():
                 # Only where drafting could pay at all: perfect acceptance beats plain decoding by
                 # the margin a choice demands and wins back what the drafter must read first.
                 probe = min(self.probe_k, k_cap)
-                if probe and self.costs.speed(1.0, probe) >= (1.0 + self.min_gain) * self.costs.speed(1.0, 0) and \
-                        self._worth_catching_up(1.0, probe, remaining, catch_up):
+                if probe and self.costs.speed(1.0, probe, context=context) >= \
+                        (1.0 + self.min_gain) * self.costs.speed(1.0, 0, context=context) and \
+                        self._worth_catching_up(1.0, probe, remaining, catch_up, context):
                     k = probe
                     self.probes.ran()
         else:
@@ -303,10 +359,10 @@ class CostK(KPolicy):
         self.chosen.append(k)
         return k
 
-    def _worth_catching_up(self, a: float, k: int, remaining: int | None, catch_up: int) -> bool:
+    def _worth_catching_up(self, a: float, k: int, remaining: int | None, catch_up: int, context: int) -> bool:
         if catch_up <= 0 or remaining is None:
             return True
-        saved_per_token = self.costs.verify_s[0] - 1.0 / self.costs.speed(a, k)
+        saved_per_token = self.costs.score_s(1, context) - 1.0 / self.costs.speed(a, k, context=context)
         return saved_per_token * remaining > self.costs.catch_up_s(catch_up)
 
     def update(self, k: int, drafted: int, accepted: int, propose_s: float, score_s: float) -> None:
@@ -314,7 +370,7 @@ class CostK(KPolicy):
         # A step that began with the drafter reading a long context (a probe after plain steps)
         # says nothing about the cost of one draft token: counting it would make drafting look
         # many times dearer than it is and keep the policy plain for good.
-        self.costs.observe(k, 0 if self._catch_up > 1 else drafted, propose_s, score_s)
+        self.costs.observe(k, 0 if self._catch_up > 1 else drafted, propose_s, score_s, self._context)
 
 
 def make_policy(spec: SpecConfig, costs: CostModel | None, prior_a: float | None = None) -> KPolicy:
