@@ -19,7 +19,7 @@ from drafters_common import build_tok_model
 from verispec import Engine, EngineConfig, SamplingParams, SpecConfig, VerispecError
 from verispec.engine.batch import BatchEngine
 from verispec.engine.batch_policy import BatchCostModel, BatchPolicy, CostCurve, RowPlan, monotone_fit
-from verispec.engine.policy import ContextCost
+from verispec.engine.policy import Acceptance, ContextCost, CostK, CostModel
 from verispec.engine.scheduler import Scheduler
 
 # make_tiny's eos_token_id, plus a token the tiny target emits often, so that some requests stop early.
@@ -453,6 +453,19 @@ def test_a_catch_up_is_weighed_against_the_batch_the_joining_rows_make():
     assert policy.choose([crowded], joining=7) == 0 and crowded.cap == 0
     assert policy.choose([few], joining=1) > 0 and few.cap == 5  # two rows still pay
     assert policy.choose([ready], joining=7) > 0 and ready.cap == 5  # nothing to win back: drafts meanwhile
+
+
+def test_a_lone_request_is_probed_when_the_single_request_engine_would_probe_it():
+    # Same costs, same poor acceptance: the batch policy at one client waits as long before each
+    # probe, and backs off as far, as the single-request engine's cost policy.
+    single = CostK(CostModel(draft_s=0.05, verify_s=[0.1] * 6), k_max=5,
+                   acceptance=Acceptance(prior_a=0.1, prior_weight=1e9))
+    batch = BatchPolicy(BatchCostModel(CostCurve({m: 0.1 for m in range(1, 7)}, smoothing=0),
+                                       CostCurve({1: 0.05}, smoothing=0)))
+    chosen_alone = [single.choose(5) for _ in range(100)]
+    chosen_batch = [batch.choose([RowPlan(cap=5, acceptance=0.1, request=1)]) for _ in range(100)]
+    assert chosen_batch == chosen_alone
+    assert [i + 1 for i, k in enumerate(chosen_batch) if k] == [8, 24, 56]
 
 
 def test_long_contexts_make_drafting_dearer_not_free():

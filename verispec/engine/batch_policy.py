@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from verispec.engine.metrics import seconds_of
-from verispec.engine.policy import MIN_GAIN, ContextCost, ProbeSchedule, expected_tokens, per_position_s
+from verispec.engine.policy import MIN_GAIN, PROBE_EVERY, ContextCost, ProbeSchedule, expected_tokens, per_position_s
 from verispec.models.llama import Transformer
 
 # A probe asks whether speculation could pay at the best acceptance the batch plausibly has: its
@@ -195,7 +195,7 @@ class BatchPolicy:
     """
 
     costs: BatchCostModel
-    probe_every: int = 16
+    probe_every: int = PROBE_EVERY
     probe_k: int = 2
     min_gain: float = MIN_GAIN  # the predicted goodput gain over plain decoding that speculating must show
     chosen: dict[int, int] = field(default_factory=dict)  # k -> steps it was chosen
@@ -241,7 +241,7 @@ class BatchPolicy:
         if self._probed_requests and self._probed_requests.isdisjoint(p.request for p in plans):
             # Every request the failed probes looked at has left: acceptance differs widely between
             # requests, so the grown wait says nothing about these. Kept, it could make a lone
-            # client's later requests wait up to 128 steps, longer than their answers, where the
+            # client's later requests wait up to 8 x probe_every steps, longer than their answers, where the
             # single-request engine's wait starts over with every request.
             self._restart_probes()
         k = self._best_k(plans, span)

@@ -21,6 +21,13 @@ from verispec.config import SpecConfig
 # of a few percent is a coin flip that still pays for draft forwards (and, for a request whose
 # draft has not read its prompt yet, a draft prefill).
 MIN_GAIN = 0.05
+# Plain steps before a policy at k = 0 probes acceptance again, for one request and for a batch
+# alike: at one client the batch policy must make the single-request engine's choices, and a wait
+# of 16 there, with the draft lagging further each plain step, left too few tokens of a 48-token
+# answer to win the probe's catch-up back, so a request whose drafts paid (acceptance near 0.9)
+# was never probed. The back-off and a batch's plausible-acceptance bound keep busy batches from
+# probing where it cannot pay.
+PROBE_EVERY = 8
 
 
 def expected_tokens(a: float, k: int) -> float:
@@ -326,7 +333,7 @@ class CostK(KPolicy):
     costs: CostModel
     k_max: int
     acceptance: Acceptance = field(default_factory=Acceptance)
-    probe_every: int = 8
+    probe_every: int = PROBE_EVERY
     probe_k: int = 2
     min_gain: float = MIN_GAIN  # the predicted gain over plain decoding that speculating must show
     _catch_up: int = 0
