@@ -348,6 +348,37 @@ def test_policy_keeps_a_row_plain_when_its_draft_catch_up_cannot_pay_back():
     assert costs.catch_up_per_token_s == pytest.approx(0.005 + 0.1 * (0.001 - 0.005))
 
 
+def test_every_catch_up_a_step_pays_for_is_won_back_at_the_k_it_runs():
+    # Costs profiled on the Xeon host at 4 clients (dense bf16 target, int4 draft) and a step from
+    # its trace: one row drafts from a current cache, three must first read their prompts. At the
+    # first pass (k = 1, every row drafting) the 53- and 70-token reads pay; the 487-token one does
+    # not, and without that row drafting the saving no longer pays for the other two either.
+    target = {1: 0.1436, 2: 0.1528, 3: 0.1393, 4: 0.1548, 5: 0.1696, 6: 0.1766, 8: 0.1888, 10: 0.2362,
+              12: 0.2608, 16: 0.3194, 20: 0.3859, 24: 0.4313}
+    costs = BatchCostModel(CostCurve(target, smoothing=0), CostCurve({1: 0.0188, 2: 0.0241, 4: 0.0310}, smoothing=0),
+                           catch_up_per_token_s=0.004, per_position=ContextCost(64, 1.23e-6, 1.89e-6))
+    policy = BatchPolicy(costs)
+
+    def rows() -> list[RowPlan]:
+        return [RowPlan(cap=5, acceptance=a, catch_up=c, horizon=40, context=488)
+                for a, c in ((0.58, 0), (0.87, 487), (0.87, 53), (0.87, 70))]
+
+    first = rows()
+    k = policy._best_k(first, None)
+    assert k == 1 and policy._saving(first, None, k) * 40 > costs.catch_up_s(70) > costs.catch_up_s(53)
+    plans = rows()
+    k = policy.choose(plans)
+    assert [p.cap for p in plans] == [5, 0, 0, 0] and k == 0
+    # The invariant behind it, with better acceptance and two longer answers: whatever k runs, every
+    # row reading context first wins its read back at that k.
+    plans = [RowPlan(cap=5, acceptance=0.95, catch_up=c, horizon=h, context=488)
+             for c, h in ((0, 40), (487, 40), (53, 80), (70, 80))]
+    k = policy.choose(plans)
+    assert k > 0 and [p.cap for p in plans] == [5, 0, 5, 5]
+    saving = policy._saving(plans, None, k)
+    assert all(saving * p.horizon > costs.catch_up_s(p.catch_up) for p in plans if p.cap and p.must_catch_up)
+
+
 def test_a_lone_row_that_went_plain_is_probed_again():
     # Once plain, a lone row's draft always lags (it did not read what plain steps generated). The
     # probe takes it when perfect acceptance would win that read back, as CostK probes a request;
