@@ -379,6 +379,30 @@ def test_every_catch_up_a_step_pays_for_is_won_back_at_the_k_it_runs():
     assert all(saving * p.horizon > costs.catch_up_s(p.catch_up) for p in plans if p.cap and p.must_catch_up)
 
 
+def test_no_probe_runs_where_no_acceptance_it_could_show_changes_the_choice():
+    # A step from the Xeon host's trace at 4 clients (its profile, as above): every row's draft lags
+    # (they decoded plainly), their acceptance estimates already say drafting would pay, and what
+    # keeps the batch plain is the reads. A probe could take one row (the one that wins its read
+    # back fastest), but with the other three still kept out by their reads, a padded step in which
+    # one row drafts never pays, whatever acceptance the probe shows: it would only cost.
+    target = {1: 0.1436, 2: 0.1528, 3: 0.1393, 4: 0.1548, 5: 0.1696, 6: 0.1766, 8: 0.1888, 10: 0.2362,
+              12: 0.2608, 16: 0.3194, 20: 0.3859, 24: 0.4313}
+    costs = BatchCostModel(CostCurve(target, smoothing=0), CostCurve({1: 0.0188, 2: 0.0241, 4: 0.0310}, smoothing=0),
+                           catch_up_per_token_s=0.004, per_position=ContextCost(64, 1.23e-6, 1.89e-6))
+    policy = BatchPolicy(costs, probe_every=1)
+
+    def lagging() -> list[RowPlan]:
+        return [RowPlan(cap=5, acceptance=0.86, catch_up=c, horizon=h, context=130, spread=0.1)
+                for c, h in ((116, 10), (127, 15), (76, 17), (58, 31))]
+
+    assert [policy.choose(lagging()) for _ in range(3)] == [0, 0, 0]
+    assert policy.probes.gap == 1  # never ran, so the wait did not grow: still due for the next batch
+    # The row such a probe would have taken, alone (one client) and with a poor estimate: drafting
+    # from a current draft would pay at its plausible best, so it is probed, read and all.
+    alone = RowPlan(cap=5, acceptance=0.1, catch_up=58, horizon=31, context=130, spread=0.25)
+    assert policy.choose([alone]) == policy.probe_k and alone.cap == 5
+
+
 def test_a_lone_row_that_went_plain_is_probed_again():
     # Once plain, a lone row's draft always lags (it did not read what plain steps generated). The
     # probe takes it when perfect acceptance would win that read back, as CostK probes a request;

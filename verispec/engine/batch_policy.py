@@ -18,7 +18,7 @@ row, from each row's own acceptance estimate). Rows that fix their own k (``k_po
 from __future__ import annotations
 
 from bisect import bisect_left
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -189,7 +189,8 @@ class BatchPolicy:
     requests; perfect acceptance for rows that give no ``spread``): otherwise (compute-bound, or
     a full batch whose drafter's record is far below what would pay) probing only wastes compute.
     A probe lets at most one row whose draft must first catch up read its context, and only if
-    that bound wins the read back. Probes that change nothing come ever more rarely
+    that bound wins the read back; it runs only if what it could show might change the next choice
+    (not where the other rows' reads keep the batch plain). Probes that change nothing come ever more rarely
     (:class:`~verispec.engine.policy.ProbeSchedule`), until every request they looked at has left
     (rows that give their ``request``): then the wait starts over.
     """
@@ -217,12 +218,20 @@ class BatchPolicy:
             kr = p.fixed_k if p.acceptance is None else min(k, p.cap)
             a = p.acceptance if p.acceptance is not None else 0.6
             if optimistic and p.acceptance is not None:
-                a = 1.0 if p.spread is None else min(1.0, a + PLAUSIBLE_SDS * p.spread / governed ** 0.5)
+                a = self._plausible_best(p, governed)
             tokens += expected_tokens(a, kr) if kr > 0 else 1.0
             width = max(width, kr)
             if p.model_draft:
                 draft_k = max(draft_k, kr)
         return tokens / self.costs.step_s(span or len(plans), width, draft_k, batch_context(plans))
+
+    @staticmethod
+    def _plausible_best(plan: RowPlan, governed: int) -> float:
+        """A governed row's best plausible acceptance in a batch of ``governed`` such rows (:meth:`goodput`)."""
+        assert plan.acceptance is not None
+        if plan.spread is None:
+            return 1.0
+        return min(1.0, plan.acceptance + PLAUSIBLE_SDS * plan.spread / governed ** 0.5)
 
     def choose(self, plans: list[RowPlan], span: int | None = None, joining: int = 0) -> int:
         """k for the governed rows of the next step (each still capped by its own ``cap``).
@@ -244,13 +253,7 @@ class BatchPolicy:
             # client's later requests wait up to 8 x probe_every steps, longer than their answers, where the
             # single-request engine's wait starts over with every request.
             self._restart_probes()
-        k = self._best_k(plans, span)
-        # Until no catch-up is left that the chosen k cannot win back: a row kept out no longer drafts,
-        # which lowers the batch's saving (and maybe its best k), so reads admitted while it counted
-        # may no longer pay. Checked once, at 4 clients two rows read 123 prompt tokens (0.54 s) for
-        # k = 1 steps whose saving over their answers, without the long-prompt row, was worth 0.13 s each.
-        while k > 0 and self._exclude_unpaid_catch_ups(plans, span, k, joining):
-            k = self._best_k(plans, span)
+        k = self._paying_k(plans, span, joining)
         if k == 0:
             if self.probes.due():
                 # A probe weighs each catch-up at its own, plausible best, bound: a row the expected
@@ -269,11 +272,12 @@ class BatchPolicy:
                     # joins only if the plausible best acceptance would win that read back, as CostK
                     # probes one request. Keeping every such row out locked a lone request into plain
                     # decoding: once plain, its draft always lags, so no probe ever took it again. A probe that
-                    # would take no row learns nothing: it does not run, the wait does not grow, and
-                    # it stays due for the next step (a request arriving with its whole answer ahead).
+                    # would take no row, or whose best outcome would still leave the batch plain, changes
+                    # nothing: it does not run, the wait does not grow, and it stays due for the next step
+                    # (a request arriving with its whole answer ahead).
                     self._exclude_unpaid_catch_ups(plans, span, probe, joining, optimistic=True)
                     self._one_catch_up_per_probe(plans)
-                    if any(p.cap > 0 for p in plans if p.acceptance is not None):
+                    if self._probe_could_pay(plans, caps, span, joining):
                         k = probe
                         self.probes.ran()
                         # The whole batch it was taken in, not only the rows that drafted: at 8 clients
@@ -283,6 +287,35 @@ class BatchPolicy:
             self._restart_probes()  # choosing to speculate starts the wait over
         self.chosen[k] = self.chosen.get(k, 0) + 1
         return k
+
+    def _paying_k(self, plans: list[RowPlan], span: int | None, joining: int) -> int:
+        """The best k once every row whose catch-up it cannot win back is kept out (``cap = 0``)."""
+        k = self._best_k(plans, span)
+        # Until no catch-up is left that the chosen k cannot win back: a row kept out no longer drafts,
+        # which lowers the batch's saving (and maybe its best k), so reads admitted while it counted
+        # may no longer pay. Checked once, at 4 clients two rows read 123 prompt tokens (0.54 s) for
+        # k = 1 steps whose saving over their answers, without the long-prompt row, was worth 0.13 s each.
+        while k > 0 and self._exclude_unpaid_catch_ups(plans, span, k, joining):
+            k = self._best_k(plans, span)
+        return k
+
+    def _probe_could_pay(self, plans: list[RowPlan], caps: list[int], span: int | None, joining: int) -> bool:
+        """Whether the choice after this probe could be to speculate: its drafting rows (``cap > 0``) at
+        their plausible best acceptance with their drafts current, the other rows as they are.
+
+        A probe learns the acceptance of the rows it drafts and nothing else. Where the reads the
+        other rows' drafts must first make keep the batch plain, or a padded batch in which only the
+        probed row drafts cannot pay, no acceptance it could show changes the next choice: at 4
+        clients such probes each cost a step at 58-72% of plain decoding's goodput plus one row's read
+        of its context, and the batch went back to plain decoding every time.
+        """
+        governed = sum(p.acceptance is not None for p in plans)
+        after = []
+        for p, cap in zip(plans, caps, strict=True):
+            if p.acceptance is not None and p.cap > 0:
+                p = replace(p, acceptance=self._plausible_best(p, governed), catch_up=0)
+            after.append(replace(p, cap=cap))
+        return any(p.acceptance is not None and p.cap > 0 for p in plans) and self._paying_k(after, span, joining) > 0
 
     def _restart_probes(self) -> None:
         self.probes.restart()
