@@ -348,15 +348,20 @@ def test_policy_keeps_a_row_plain_when_its_draft_catch_up_cannot_pay_back():
     assert costs.catch_up_per_token_s == pytest.approx(0.005 + 0.1 * (0.001 - 0.005))
 
 
-def test_every_catch_up_a_step_pays_for_is_won_back_at_the_k_it_runs():
-    # Costs profiled on the Xeon host at 4 clients (dense bf16 target, int4 draft) and a step from
-    # its trace: one row drafts from a current cache, three must first read their prompts. At the
-    # first pass (k = 1, every row drafting) the 53- and 70-token reads pay; the 487-token one does
-    # not, and without that row drafting the saving no longer pays for the other two either.
+def xeon_costs() -> BatchCostModel:
+    """The batch costs profiled on the Xeon host of session 14 (dense bf16 target, int4 draft, 4 slots)."""
     target = {1: 0.1436, 2: 0.1528, 3: 0.1393, 4: 0.1548, 5: 0.1696, 6: 0.1766, 8: 0.1888, 10: 0.2362,
               12: 0.2608, 16: 0.3194, 20: 0.3859, 24: 0.4313}
-    costs = BatchCostModel(CostCurve(target, smoothing=0), CostCurve({1: 0.0188, 2: 0.0241, 4: 0.0310}, smoothing=0),
-                           catch_up_per_token_s=0.004, per_position=ContextCost(64, 1.23e-6, 1.89e-6))
+    return BatchCostModel(CostCurve(target, smoothing=0), CostCurve({1: 0.0188, 2: 0.0241, 4: 0.0310}, smoothing=0),
+                          catch_up_per_token_s=0.004, per_position=ContextCost(64, 1.23e-6, 1.89e-6))
+
+
+def test_every_catch_up_a_step_pays_for_is_won_back_at_the_k_it_runs():
+    # The Xeon host's costs and a step from its trace at 4 clients: one row drafts from a current
+    # cache, three must first read their prompts. At the first pass (k = 1, every row drafting) the
+    # 53- and 70-token reads pay; the 487-token one does not, and without that row drafting the
+    # saving no longer pays for the other two either.
+    costs = xeon_costs()
     policy = BatchPolicy(costs)
 
     def rows() -> list[RowPlan]:
@@ -380,15 +385,12 @@ def test_every_catch_up_a_step_pays_for_is_won_back_at_the_k_it_runs():
 
 
 def test_no_probe_runs_where_no_acceptance_it_could_show_changes_the_choice():
-    # A step from the Xeon host's trace at 4 clients (its profile, as above): every row's draft lags
+    # A step from the Xeon host's trace at 4 clients (its costs, as above): every row's draft lags
     # (they decoded plainly), their acceptance estimates already say drafting would pay, and what
     # keeps the batch plain is the reads. A probe could take one row (the one that wins its read
     # back fastest), but with the other three still kept out by their reads, a padded step in which
     # one row drafts never pays, whatever acceptance the probe shows: it would only cost.
-    target = {1: 0.1436, 2: 0.1528, 3: 0.1393, 4: 0.1548, 5: 0.1696, 6: 0.1766, 8: 0.1888, 10: 0.2362,
-              12: 0.2608, 16: 0.3194, 20: 0.3859, 24: 0.4313}
-    costs = BatchCostModel(CostCurve(target, smoothing=0), CostCurve({1: 0.0188, 2: 0.0241, 4: 0.0310}, smoothing=0),
-                           catch_up_per_token_s=0.004, per_position=ContextCost(64, 1.23e-6, 1.89e-6))
+    costs = xeon_costs()
     policy = BatchPolicy(costs, probe_every=1)
 
     def lagging() -> list[RowPlan]:
