@@ -405,6 +405,26 @@ def test_no_probe_runs_where_no_acceptance_it_could_show_changes_the_choice():
     assert policy.choose([alone]) == policy.probe_k and alone.cap == 5
 
 
+def test_a_catch_up_is_weighed_against_the_batch_with_its_fixed_k_rows_drafting():
+    # A row with a fixed k already pays for the draft forwards and the wide step; a policy row drafting
+    # beside it costs next to nothing more, so its cheap prompt read pays. Weighed against an all-plain
+    # step, the batch looked like it lost by drafting and the policy row never read its prompt.
+    # Eight rows as the real pair's mixed-spec test starts them: the draft model at a fixed k = 4,
+    # under the policy, lookups at k = 3, no drafting; each twice.
+    costs = BatchCostModel(CostCurve({1: 0.1, 64: 0.1}, smoothing=0), CostCurve({1: 0.01}, smoothing=0))
+    policy = BatchPolicy(costs)
+
+    def rows() -> list[RowPlan]:
+        return [RowPlan(cap=4, fixed_k=4), RowPlan(cap=4, acceptance=0.6, catch_up=6, horizon=9),
+                RowPlan(cap=3, fixed_k=3, model_draft=False), RowPlan(cap=0, model_draft=False),
+                RowPlan(cap=4, fixed_k=4), RowPlan(cap=4, acceptance=0.6, catch_up=16, horizon=21),
+                RowPlan(cap=3, fixed_k=3, model_draft=False), RowPlan(cap=0, model_draft=False)]
+
+    assert policy.goodput(rows(), 4) > 1.15 * policy.goodput(rows(), 0)
+    plans = rows()
+    assert policy.choose(plans) > 0 and plans[1].cap == plans[5].cap == 4
+
+
 def test_a_lone_row_that_went_plain_is_probed_again():
     # Once plain, a lone row's draft always lags (it did not read what plain steps generated). The
     # probe takes it when perfect acceptance would win that read back, as CostK probes a request;

@@ -10,6 +10,9 @@ import torch
 
 from verispec import Engine, SamplingParams, SpecConfig, VerispecError, hub
 from verispec.bench import datasets
+from verispec.config import PLAIN
+from verispec.engine.batch import BatchEngine
+from verispec.engine.batch_policy import BatchCostModel, CostCurve
 
 TARGET, DRAFT, SMOL = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct", "smollm2-135m-instruct"
 
@@ -117,6 +120,31 @@ def test_speculative_greedy_equals_plain_on_real_pair(pair: Engine) -> None:
             assert total > 0, "the same-family draft should get some tokens accepted"
             steps = sum(r.metrics.steps for r in spec_out)
             assert steps < sum(r.metrics.steps for r in plain)
+
+
+def test_batched_greedy_equals_each_request_alone_on_real_pair(pair: Engine) -> None:
+    # Rows of different prompt lengths (Spec-Bench's six categories, RAG and summaries long, plus two
+    # short prompts) and limits, each drafting its own way (draft model at a fixed k and under the
+    # batch policy, lookups, none), must each give what the request gives decoded alone. Eight slots:
+    # the batch shrinks from 8 rows to 1 as answers end; three: requests wait and join mid-flight.
+    prompts = [p.text for p in _spec_bench_prompts()] + ["def add(a, b):", "Say hi."]
+    limits = [6 + 3 * i for i in range(len(prompts))]
+    specs = [SpecConfig(k_policy="fixed", method="draft", k=4), SpecConfig(k_policy="cost", method="draft", k=4),
+             SpecConfig(k_policy="fixed", method="ngram", k=3), PLAIN]
+    alone = [pair.generate(text, SamplingParams(max_tokens=n), chat=True)[0].token_ids
+             for text, n in zip(prompts, limits, strict=True)]
+    assert len(set(map(len, alone))) > 1 and all(alone)
+    # Given costs (memory-bound: speculation pays at any batch size) instead of a profile, which takes
+    # minutes in fp32; the policy still chooses k per step from each row's acceptance.
+    costs = BatchCostModel(CostCurve({1: 0.1, 64: 0.1}, smoothing=0), CostCurve({1: 0.01}, smoothing=0))
+    for slots in (8, 3):
+        be = BatchEngine(pair, max_batch=slots, costs=costs)
+        handles = [be.submit(text, SamplingParams(max_tokens=n), specs[i % len(specs)], chat=True)
+                   for i, (text, n) in enumerate(zip(prompts, limits, strict=True))]
+        be.run_until_done()
+        assert [h.result().token_ids for h in handles] == alone, f"{slots} slots"
+        assert be.kv_used_tokens == 0 and be.free_slots == slots
+        assert be.stats.summary()["mean_rows"] > 1 and any(k > 0 for k in be.stats.policy_k)
 
 
 def test_real_pair_tokenizers_agree_and_mismatch_is_refused(pair: Engine) -> None:
