@@ -380,8 +380,8 @@ class BatchPolicy:
 
         Against the batch at k = 0, rows with a fixed k still drafting: against an all-plain step, a
         batch whose fixed-k rows already pay for the draft forwards and the wide step looked like it
-        lost by drafting, and its policy rows never read their prompts (found by the real pair's
-        mixed-spec batch test: 16 of 18 steps plain where drafting was predicted to gain 20%).
+        lost by drafting, and its policy rows never read their prompts (tiny models in the mix of
+        specs of the real pair's batch test: 16 of 18 steps plain where drafting was predicted to gain 20%).
         """
         return 1.0 / self.goodput(plans, 0, span) - 1.0 / self.goodput(plans, k, span, optimistic)
 
