@@ -350,7 +350,7 @@ class BatchPolicy:
             saved = min(saved, self._saving(future, future_span, k_future, optimistic)) if k_future > 0 else 0.0
         excluded = False
         for p in plans:
-            # Only rows still drafting: the caller repeats this until nothing changes.
+            # Only rows still drafting, so that _paying_k's repeats end once nothing changes.
             if p.cap > 0 and p.must_catch_up and p.horizon is not None and \
                     saved * p.horizon <= self.costs.catch_up_s(p.catch_up):
                 p.cap, excluded = 0, True
