@@ -17,7 +17,7 @@ from verispec.engine.compiled import cache_slack, compile_model
 from verispec.engine.metrics import Metrics, seconds_of
 from verispec.engine.policy import Acceptance, AnswerLengths, ContextCost, CostModel, make_policy, per_position_s
 from verispec.engine.step import speculative_step
-from verispec.engine.stopping import append_tokens, final_text, hit_stop, k_cap
+from verispec.engine.stopping import StepTokens, append_tokens, final_text, hit_stop, k_cap
 from verispec.errors import VerispecError
 from verispec.log import logger
 from verispec.models.llama import Transformer
@@ -260,6 +260,8 @@ class Engine:
 
         ``on_tokens(i, tokens)`` is called after every step with the tokens prompt ``i`` just
         gained (streaming); returning False cancels that request (finish reason "cancelled").
+        ``tokens`` is a :class:`~verispec.engine.stopping.StepTokens`: a list whose ``drafted``
+        attribute counts its leading tokens that were accepted drafts.
         """
         params = params or SamplingParams()
         spec = spec or PLAIN
@@ -322,7 +324,7 @@ class Engine:
                 m.ttft_s = time.perf_counter() - t0
             n_before = len(out)
             finish = append_tokens(new, seq, out, params, self.eos_ids, self.decode)
-            if on_tokens is not None and on_tokens(out[n_before:]) is False and finish is None:
+            if on_tokens is not None and on_tokens(StepTokens.of(new, out, n_before)) is False and finish is None:
                 finish = "cancelled"
         m.generated_tokens = len(out)
         m.total_s = time.perf_counter() - t0
