@@ -1,4 +1,4 @@
-"""The ``verispec`` command line: generate, models, datastore, serve, demo."""
+"""The ``verispec`` command line: generate, models, datastore, bench, advise, serve, demo."""
 
 from __future__ import annotations
 
@@ -8,9 +8,13 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from verispec.config import SpecConfig
 from verispec.errors import VerispecError
+
+if TYPE_CHECKING:
+    from verispec import Engine, GenerationResult, SamplingParams
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -77,11 +81,51 @@ def _spec_from(args: argparse.Namespace):
                       draft_vocab=args.draft_vocab, draft_window=args.draft_window)
 
 
-def cmd_generate(args: argparse.Namespace) -> int:
-    from verispec import Engine, SamplingParams
+def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    p.add_argument("--max-tokens", type=int, default=max_tokens, help="the most tokens to generate (default "
+                   "%(default)s)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
 
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                            top_p=args.top_p, seed=args.seed, stop=tuple(args.stop or ()), ignore_eos=args.ignore_eos)
+
+def _sampling_from(args: argparse.Namespace) -> SamplingParams:
+    from verispec import SamplingParams
+
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                          top_p=args.top_p, seed=args.seed, stop=tuple(args.stop or ()), ignore_eos=args.ignore_eos)
+
+
+def _use_chat_template(engine: Engine, args: argparse.Namespace) -> bool:
+    """The prompt goes through the chat template when the model has one, unless --raw."""
+    has = engine.tokenizer is not None and bool(engine.tokenizer.chat_template)
+    if args.chat and not has:
+        raise VerispecError("this model's tokenizer has no chat template (drop --chat)")
+    return has and not args.raw
+
+
+def _generate(engine: Engine, args: argparse.Namespace, params: SamplingParams,
+              spec: SpecConfig) -> GenerationResult:
+    """Generate for ``args.prompt``; without --json the text is printed to stdout as it streams."""
+    chat = _use_chat_template(engine, args)
+    if args.json:
+        return engine.generate(args.prompt, params, spec, chat=chat)[0]
+    from verispec.console import AnswerPrinter
+
+    printer = AnswerPrinter(engine.tokenizer, params.stop, sys.stdout)
+    result = engine.generate(args.prompt, params, spec, chat=chat, on_tokens=printer.on_tokens)[0]
+    printer.finish(result.text)
+    print()
+    return result
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from verispec import Engine
+
+    params = _sampling_from(args)
     spec = _spec_from(args)
     if args.tp > 1:  # one process per rank: rank 0 generates, the others follow its target forwards
         from verispec.parallel import tp
@@ -91,18 +135,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
             tp.shutdown()
             return 0
         try:
-            result = engine.generate(args.prompt, params, spec, chat=args.chat)[0]
+            result = _generate(engine, args, params, spec)
         finally:
             tp.shutdown(engine)
     else:
         engine = Engine.from_pretrained(args.model, draft=args.draft, **_engine_kwargs(args))
-        result = engine.generate(args.prompt, params, spec, chat=args.chat)[0]
+        result = _generate(engine, args, params, spec)
     m = result.metrics
     if args.json:
         print(json.dumps({"text": result.text, "token_ids": result.token_ids, "finish_reason": result.finish_reason,
                           "metrics": m.summary()}, indent=2))
         return 0
-    print(result.text if result.text is not None else result.token_ids)
     print(f"\n[{m.generated_tokens} tokens in {m.total_s:.2f} s: {m.tokens_per_s:.2f} tokens/s, "
           f"time to first token {m.ttft_s * 1000:.0f} ms, finish: {result.finish_reason}]", file=sys.stderr)
     if spec.enabled:
@@ -191,14 +234,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(g)
     _add_spec_args(g)
     g.add_argument("--prompt", required=True)
-    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    g.add_argument("--max-tokens", type=int, default=128)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int)
-    g.add_argument("--stop", action="append", help="stop string (repeatable)")
-    g.add_argument("--ignore-eos", action="store_true")
+    template = g.add_mutually_exclusive_group()
+    template.add_argument("--raw", action="store_true",
+                          help="send the prompt as is (by default it goes through the model's chat template, if any)")
+    template.add_argument("--chat", action="store_true", help="deprecated: the chat template is the default")
+    _add_sampling_args(g, max_tokens=128)
     g.add_argument("--json", action="store_true", help="print text, tokens and metrics as JSON")
     g.set_defaults(func=cmd_generate)
 
