@@ -8,6 +8,7 @@ import os
 import re
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -52,6 +53,19 @@ def _chat(engine: Engine, max_tokens: int = 10, **kwargs) -> tuple[Chat, io.Stri
     chat = Chat(engine, SamplingParams(max_tokens=max_tokens, ignore_eos=True), SELF_DRAFT, out=out, err=err,
                 colour=False, **kwargs)
     return chat, out, err
+
+
+def _reader(lines: list[str]) -> Callable[[str], str]:
+    """An ``input`` replacement that types ``lines``, then Ctrl-D."""
+    it = iter(lines)
+
+    def read(prompt: str) -> str:
+        try:
+            return next(it)
+        except StopIteration:
+            raise EOFError from None
+
+    return read
 
 
 def test_chat_keeps_the_conversation(engine):
@@ -116,6 +130,17 @@ def test_interrupted_answer_drops_the_exchange(engine):
     assert chat.messages == before and "dropped" in chat.out.getvalue()
 
 
+def test_ctrl_c_before_generating_leaves_no_question_unanswered(engine, monkeypatch):
+    chat, _, _ = _chat(engine, system="be brief")
+
+    def interrupted() -> list[int]:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(chat, "_prompt_ids", interrupted)
+    assert chat.run(_reader(["hello world"])) == 0
+    assert chat.messages == [{"role": "system", "content": "be brief"}]
+
+
 def test_ctrl_c_while_generating_cancels_then_interrupts(engine):
     chat, _, _ = _chat(engine)
     handler = signal.getsignal(signal.SIGINT)
@@ -133,15 +158,7 @@ def test_chat_commands_and_refusals(engine, no_template_model):
     assert chat.handle("/nope") and "unknown command /nope" in err.getvalue()
     assert chat.handle("   ") and chat.total.requests == 0
     assert not chat.handle("/exit")
-    lines = iter(["hello world", "/stats"])
-
-    def read(prompt: str) -> str:
-        try:
-            return next(lines)
-        except StopIteration:
-            raise EOFError from None
-
-    assert chat.run(read) == 0
+    assert chat.run(_reader(["hello world", "/stats"])) == 0
     assert "answers: 1" in out.getvalue() and "acceptance: 100.0%" in out.getvalue()
     raw = Engine.from_pretrained(str(no_template_model), dtype="float32", max_len=MAX_LEN, progress=False)
     with pytest.raises(VerispecError, match="no chat template"):

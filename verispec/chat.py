@@ -96,6 +96,9 @@ class Chat:
         try:
             with self._sigint():
                 result = self.engine.generate(ids, self.params, self.spec, on_tokens=on_tokens)[0]
+            printer.finish(result.text)
+            self.out.write("\n")
+            self.messages.append({"role": "assistant", "content": result.text or ""})
         except KeyboardInterrupt:
             self.messages.pop()
             self._say("\n" + dim("[interrupted: this question and its partial answer are dropped]", self.colour))
@@ -104,9 +107,6 @@ class Chat:
             self.messages.pop()
             self._error(str(e))
             return None
-        printer.finish(result.text)
-        self.out.write("\n")
-        self.messages.append({"role": "assistant", "content": result.text or ""})
         self.total.merge(result.metrics)
         self._say(dim(answer_line(result.metrics, result.finish_reason), self.colour))
         return result
@@ -209,8 +209,13 @@ class Chat:
             except KeyboardInterrupt:  # at the prompt: a fresh line, like a shell
                 self.out.write("\n")
                 continue
-            if not self.handle(line):
-                return 0
+            try:
+                if not self.handle(line):
+                    return 0
+            except KeyboardInterrupt:  # outside generation: a question never stays without its answer
+                if len(self.messages) > len(self.system) and self.messages[-1]["role"] == "user":
+                    self.messages.pop()
+                self.out.write("\n")
 
     def _method(self) -> str:
         return f"{self.spec.method}, k={self.spec.k}" if self.spec.enabled else "plain decoding"

@@ -253,7 +253,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print text, tokens and metrics as JSON")
     g.set_defaults(func=cmd_generate)
 
-    c = sub.add_parser("chat", help="talk to a chat model in the terminal, answers streamed, speculation shown")
+    c = sub.add_parser("chat", help="talk to a chat model in the terminal, answers streamed, speculation shown",
+                       description="A conversation through the model's chat template; accepted drafts print in "
+                       "green on a terminal. Type /help for commands, /exit or Ctrl-D to leave; Ctrl-C stops an "
+                       "answer.")
     _add_engine_args(c)
     _add_spec_args(c)
     c.add_argument("--system", help="a system prompt, kept at the head of the conversation")
