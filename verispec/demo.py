@@ -19,8 +19,7 @@ def run_demo(out: str, n_prompts: int = 4, max_tokens: int = 96) -> None:
     out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
     prompts = datasets.humaneval(n_prompts // 2 or 1)
-    if datasets.default_spec_bench().is_file():
-        prompts += datasets.spec_bench(categories=["summarization", "qa"], per_category=max(1, n_prompts // 4))
+    prompts += datasets.spec_bench(categories=["summarization", "qa"], per_category=max(1, n_prompts // 4))
     engine = Engine.from_pretrained(TARGET, draft=DRAFT, dtype="auto", draft_weights="int8", max_len=2048)
     methods = {"plain": PLAIN, "draft k=5": SpecConfig(method="draft", k=5, k_policy="fixed"),
                "ngram k=5": SpecConfig(method="ngram", k=5, k_policy="fixed"),

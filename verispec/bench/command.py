@@ -376,8 +376,8 @@ def add_parser(sub: Any, add_engine_args: Callable[[argparse.ArgumentParser], No
                    "--draft, else ngram); options: " + ", ".join(OPTIONS))
     b.add_argument("--dataset", default="spec_bench",
                    help="spec_bench, humaneval or jsonl:PATH (comma-separated to combine)")
-    b.add_argument("--spec-bench", help="Spec-Bench question.jsonl (default: $VERISPEC_SPEC_BENCH or "
-                   "../shared/data/spec_bench/question.jsonl)")
+    b.add_argument("--spec-bench", help="a Spec-Bench question.jsonl (default: $VERISPEC_SPEC_BENCH, else the "
+                   "copy packaged with verispec)")
     b.add_argument("--per-category", type=int, help="Spec-Bench prompts sampled per category (default: all)")
     b.add_argument("--categories", default="", help="Spec-Bench categories to run, comma-separated, e.g. rag,qa "
                    "(default: all; the same prompts as a run of all of them)")
