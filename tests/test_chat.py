@@ -176,7 +176,8 @@ def test_chat_in_a_terminal(tok_model, engine):
     env.pop("NO_COLOR", None)
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     cmd = ["-m", "verispec.cli", "chat", "--model", str(tok_model), "--draft", str(tok_model), "--dtype", "float32",
-           "--max-len", str(MAX_LEN), "--max-tokens", "12", "--ignore-eos", "-k", "3", "--k-policy", "fixed"]
+           "--max-len", str(MAX_LEN), "--max-tokens", "12", "--ignore-eos", "-k", "3", "--k-policy", "fixed",
+           "--method", "draft", "--confidence", "0", "--draft-vocab", "0", "--draft-window", "0"]
     child = pexpect.spawn(sys.executable, cmd, env=env, cwd=root, encoding="utf-8", timeout=180,
                           dimensions=(40, 400))
     try:
