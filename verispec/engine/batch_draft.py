@@ -182,7 +182,10 @@ class BatchDraftModel:
                 f = feeds[r.slot]
                 tokens[r.slot - lo] = torch.tensor(f + [f[-1]] * (width - len(f)))
             pos = torch.tensor(starts).unsqueeze(1) + torch.arange(width)
-            logits = self.model(tokens.to(device), pos.to(device), self.cache, kv_len=int(pos.max()) + 1,
+            # Keys up to the drafting rows' last position: an idle slot's dummies may sit further out;
+            # they are written all the same, and what their queries attend to is never read.
+            kv_len = max(lengths[r.slot] for r in active) + width
+            logits = self.model(tokens.to(device), pos.to(device), self.cache, kv_len=kv_len,
                                 rows=slice(lo, hi), last_only=width == 1, **head_arg)
             self.forwards += 1
             self.reduced_forwards += int(head is not None)

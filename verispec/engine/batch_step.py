@@ -110,8 +110,11 @@ def batched_step(target: Transformer, cache: KVCache, rows: list[Row],
         tokens[r.slot - lo] = torch.tensor(real + [real[-1]] * (width - len(real)))
         starts[r.slot - lo] = len(r.seq) - 1
     pos = torch.tensor(starts).unsqueeze(1) + torch.arange(width)
-    logits = target(tokens.to(target.device), pos.to(target.device), cache, kv_len=int(pos.max()) + 1,
-                     rows=slice(lo, hi))
+    # Keys up to the stepping rows' last position: a hole's dummies may sit further out (a row still
+    # prefilling, a free slot's cached prefix); they are written all the same, and what their queries
+    # attend to is never read. Every row attending to a hole's length would pay for it.
+    kv_len = max(len(r.seq) for r in rows) - 1 + width
+    logits = target(tokens.to(target.device), pos.to(target.device), cache, kv_len=kv_len, rows=slice(lo, hi))
     sync(logits.device)  # charge the forward to "score", not to the first sync in "verify"
     t2 = time.perf_counter()
 
