@@ -237,3 +237,35 @@ def test_a_request_goes_to_the_slot_holding_its_prefix(engine):
     # z's follow-up still finds z's conversation (with its answer) where it was.
     rz2 = be.generate_batch([zb + rz.token_ids + TURN], GREEDY)[0]
     assert rz2.metrics.prefix_reused_tokens == len(zb) + len(rz.token_ids) - 1
+
+
+def test_the_single_request_engine_reuses_its_row(engine):
+    a = prompt(30, seed=10)
+    engine.prefix_reuse = True
+    first = engine.generate(a, GREEDY, DRAFT)[0]
+    again = engine.generate(a, GREEDY, DRAFT)[0]
+    assert again.metrics.prefix_reused_tokens == len(a) - 1 and again.token_ids == first.token_ids
+    b, kept = follow_up(a, first.token_ids, first.finish_reason)
+    expected = alone(engine, b, GREEDY, SPECS["hybrid"])  # (leaves nothing for the next request)
+    assert engine.generate(a, GREEDY, DRAFT)[0].metrics.prefix_reused_tokens == 0
+    second = engine.generate(b, GREEDY, SPECS["hybrid"])[0]
+    assert second.metrics.prefix_reused_tokens == kept and second.token_ids == expected
+    assert engine.generate(b, GREEDY)[0].metrics.prefix_reused_tokens == len(b) - 1
+    # Profiling the cost policy overwrites the row: nothing of it is reused after that.
+    assert engine.generate(b, GREEDY, SPECS["draft-cost"])[0].metrics.prefix_reused_tokens in (0, len(b) - 1)
+    engine.profile(engine.drafter(DRAFT), 4)
+    assert engine.generate(b, GREEDY)[0].metrics.prefix_reused_tokens == 0
+    engine.prefix_reuse = False
+    assert engine.generate(b, GREEDY)[0].metrics.prefix_reused_tokens == 0
+    engine.prefix_reuse = True
+
+
+def test_the_single_request_engine_with_layer_skip(engine):
+    spec = SpecConfig(k_policy="fixed", method="layerskip", k=3, layers=1)
+    a = prompt(30, seed=11)
+    first = engine.generate(a, GREEDY, spec)[0]
+    b, kept = follow_up(a, first.token_ids, first.finish_reason)
+    expected = alone(engine, b, GREEDY, spec)
+    engine.generate(a, GREEDY, spec)
+    second = engine.generate(b, GREEDY, spec)[0]
+    assert second.metrics.prefix_reused_tokens == kept and second.token_ids == expected
