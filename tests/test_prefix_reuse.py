@@ -10,14 +10,18 @@ the row and fails the K/V check; one too low shows in the counts.
 from __future__ import annotations
 
 import random
+from typing import Any
 
+import httpx
 import pytest
 import torch
+from tiny_server import make_tiny_pair, metric_value, running_server
 
 from verispec import Engine, EngineConfig, SamplingParams, SpecConfig
 from verispec.engine.batch import BatchEngine
 from verispec.engine.prefix import MIN_MATCH, SlotPrefixes, common_prefix, held_tokens, reusable
 from verispec.engine.scheduler import Scheduler
+from verispec.server import ServerConfig, create_app
 
 EOS_IDS = {1, 26}
 MAX_LEN = 256
@@ -269,3 +273,46 @@ def test_the_single_request_engine_with_layer_skip(engine):
     engine.generate(a, GREEDY, spec)
     second = engine.generate(b, GREEDY, spec)[0]
     assert second.metrics.prefix_reused_tokens == kept and second.token_ids == expected
+
+
+@pytest.fixture(scope="module")
+def text_engine(tmp_path_factory: pytest.TempPathFactory) -> Engine:
+    target, draft = make_tiny_pair(tmp_path_factory.mktemp("prefix_server_models"))
+    return Engine.from_pretrained(str(target), draft=str(draft), dtype="float32", max_len=MAX_LEN, progress=False)
+
+
+@pytest.mark.parametrize(("max_batch", "reuse"), [(2, True), (1, True), (2, False)])
+def test_the_server_counts_reused_prompt_tokens(text_engine: Engine, max_batch: int, reuse: bool) -> None:
+    config = ServerConfig(model_name="tiny", spec=DRAFT, max_batch=max_batch, prefix_reuse=reuse)
+    app = create_app(text_engine, config)
+    body = {"model": "tiny", "prompt": "a prompt that the second request repeats", "max_tokens": 6,
+            "temperature": 0, "speculative": {"enabled": True, "method": "draft"}}
+    with running_server(app, config) as srv, httpx.Client(base_url=srv.base_url, timeout=60) as client:
+        texts = []
+        for _ in range(2):
+            r = client.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            texts.append(r.json()["choices"][0]["text"])
+        reused = metric_value(client, "verispec:prefix_reused_tokens_total", path="speculative", method="draft")
+        stats: dict[str, Any] = client.get("/stats").json()
+    assert texts[0] == texts[1]
+    prompt_len = len(text_engine.encode(body["prompt"]))
+    assert reused == (prompt_len - 1 if reuse else 0)
+    assert stats["paths"]["speculative"]["total"]["prefix_reused_tokens"] == reused
+    if max_batch > 1:
+        batch = stats["batch"]
+        assert batch["prefix_reuse"] is reuse and batch["prefix_reused_tokens"] == reused
+        assert batch["prefix_hits"] == int(reuse) and batch["prefill_tokens"] == 2 * (prompt_len - 1) - reused
+    text_engine.prefix_reuse = True
+
+
+def test_serve_has_a_switch_to_turn_reuse_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    import verispec.server
+    from verispec.cli import build_parser
+
+    seen: list[ServerConfig] = []
+    monkeypatch.setattr(Engine, "from_pretrained", classmethod(lambda cls, *a, **k: None))
+    monkeypatch.setattr(verispec.server, "serve", lambda engine, config, **k: seen.append(config) or False)
+    for flags, reuse in (([], True), (["--no-prefix-reuse"], False)):
+        args = build_parser().parse_args(["serve", "--model", "m", *flags])
+        assert args.func(args) == 0 and seen[-1].prefix_reuse is reuse
