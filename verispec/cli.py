@@ -248,7 +248,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     token = args.admin_token or os.environ.get("VERISPEC_ADMIN_TOKEN") or None
     config = ServerConfig(model_name=args.served_model_name or args.model, spec=_spec_from(args),
                           spec_fraction=args.spec_fraction, host=args.host, port=args.port, admin_token=token,
-                          max_batch=args.max_batch, max_queue=args.max_queue)
+                          max_batch=args.max_batch, max_queue=args.max_queue,
+                          prefix_reuse=not args.no_prefix_reuse)
     _no_tp(args)
     engine = Engine.from_pretrained(args.model, draft=args.draft, **_engine_kwargs(args))
     interrupted = serve(engine, config, log_level="info" if args.verbose else "warning")
@@ -319,6 +320,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="requests generated together by continuous batching (default 4; 1 = one at a time, "
                     "which also serves --method layerskip)")
     sv.add_argument("--max-queue", type=int, default=64, help="requests allowed to wait for a slot; more get 429")
+    sv.add_argument("--no-prefix-reuse", action="store_true",
+                    help="prefill every prompt in full instead of reusing the KV an earlier request left for a "
+                    "shared prefix (on by default)")
     sv.set_defaults(func=cmd_serve)
 
     d = sub.add_parser("demo", help="speculative vs plain decoding on the real pair: a table and a plot")

@@ -5,8 +5,10 @@ EOS ids) and owns batch-sized KV caches: one row ("slot") per running request. E
 :meth:`BatchEngine.step` admits queued requests into free slots (FIFO, within the KV budget; see
 :mod:`verispec.engine.scheduler`), prefills newly admitted prompts in bounded chunks, then runs one
 batched speculative step (:mod:`verispec.engine.batch_step`) for every row that is ready. Finished
-and cancelled requests free their slot at once. ``start()`` runs steps on a background thread;
-without it, waiting on a handle drives the steps itself.
+and cancelled requests free their slot at once; their KV stays in the slot's rows, and a later
+request sharing a prefix with it is placed there and prefills only the rest
+(:mod:`verispec.engine.prefix`). ``start()`` runs steps on a background thread; without it, waiting
+on a handle drives the steps itself.
 
 Outputs equal the one-request engine's: same step, same stop conditions
 (:mod:`verispec.engine.stopping`), a generator per request. With the ``cost`` k policy the k of a
@@ -38,6 +40,7 @@ from verispec.engine.batch_step import BatchStats, Row, batched_step
 from verispec.engine.engine import Engine, GenerationResult, Prompt
 from verispec.engine.metrics import Metrics
 from verispec.engine.policy import Acceptance, AcceptanceSpread, KPolicy, make_policy
+from verispec.engine.prefix import SlotPrefixes, held_tokens
 from verispec.engine.scheduler import Scheduler
 from verispec.engine.stopping import StepTokens, append_tokens, final_text, k_cap
 from verispec.errors import VerispecError
@@ -225,12 +228,15 @@ class BatchEngine:
     caps the tokens reserved by running requests (default: slots x max_len). ``prefill_chunk``
     bounds the prompt tokens prefilled per step, so a long prompt delays running rows by at most
     one chunk. ``costs`` gives the concurrency-aware policy a cost model (default: profiled on
-    first use, see :meth:`profile`).
+    first use, see :meth:`profile`). ``prefix_reuse`` keeps a finished request's KV (target and
+    draft model) in its slot and places a new request in the free slot sharing its longest prefix,
+    which it then does not prefill (:mod:`verispec.engine.prefix`); False resets every slot when
+    its request leaves and hands out the lowest free slot.
     """
 
     def __init__(self, engine: Engine, max_batch: int = 8, max_len: int | None = None,
                  memory_limit: int | None = None, kv_budget_tokens: int | None = None, prefill_chunk: int = 512,
-                 costs: BatchCostModel | None = None) -> None:
+                 costs: BatchCostModel | None = None, prefix_reuse: bool = True) -> None:
         if engine.config.compile:
             raise VerispecError("BatchEngine runs eager forwards (compiled graphs are specialised to one row); "
                                 "build the engine with compile=False")
@@ -252,7 +258,10 @@ class BatchEngine:
                 raise VerispecError(f"memory_limit {memory_limit} B holds no slot of {self.max_len} tokens "
                                     f"({cache_len * per_token} B each); lower max_len or raise the limit")
         budget = slots * self.max_len if kv_budget_tokens is None else min(kv_budget_tokens, slots * self.max_len)
-        self.scheduler: Scheduler[_Request] = Scheduler(slots, budget, self.max_len)
+        self._prefix_reuse = prefix_reuse
+        self._prefixes = SlotPrefixes(slots)  # per free slot: the tokens its target row holds
+        self.scheduler: Scheduler[_Request] = Scheduler(slots, budget, self.max_len,
+                                                        self._choose_slot if prefix_reuse else None)
         self.cache = self.target.new_cache(slots, cache_len)
         self.draft_model = (BatchDraftModel(self.draft, slots, cache_len, self.target.args.vocab_size,
                                             special_token_ids(engine)) if self.draft is not None else None)
@@ -280,17 +289,22 @@ class BatchEngine:
     @classmethod
     def from_pretrained(cls, model: str, draft: str | None = None, max_batch: int = 8,
                         memory_limit: int | None = None, kv_budget_tokens: int | None = None,
-                        prefill_chunk: int = 512, **engine_kwargs: Any) -> BatchEngine:
+                        prefill_chunk: int = 512, prefix_reuse: bool = True, **engine_kwargs: Any) -> BatchEngine:
         """Load an :class:`Engine` (``engine_kwargs``: :class:`EngineConfig` fields) and batch it."""
         engine = Engine.from_pretrained(model, draft, **engine_kwargs)
         return cls(engine, max_batch=max_batch, memory_limit=memory_limit, kv_budget_tokens=kv_budget_tokens,
-                   prefill_chunk=prefill_chunk)
+                   prefill_chunk=prefill_chunk, prefix_reuse=prefix_reuse)
 
     # -- state ----------------------------------------------------------------------------
 
     @property
     def slots(self) -> int:
         return self.scheduler.slots
+
+    @property
+    def prefix_reuse(self) -> bool:
+        """Whether finished requests' KV stays for later requests sharing a prefix (set at construction)."""
+        return self._prefix_reuse
 
     @property
     def free_slots(self) -> int:
@@ -491,9 +505,18 @@ class BatchEngine:
         with self._exclusive():  # builds (and so validates) one drafter for this spec up front
             self._drafters.release(spec, self._drafters.acquire(spec))
 
+    def _choose_slot(self, req: _Request, free: list[int]) -> int:
+        """The scheduler's pick among the free slots: where the request's prompt is cached longest."""
+        return self._prefixes.choose(req.prompt, free)
+
     def _start(self, req: _Request, slot: int) -> None:
         req.handle.admitted_at = time.perf_counter()
-        self.cache.reset(slot)
+        # The row keeps what the slot's previous request left that this prompt starts with; _prefill
+        # goes on from there. Without a record (reuse off, a fresh slot) that is nothing.
+        reused = self.cache.lengths[slot] = self._prefixes.claim(slot, req.prompt)
+        req.metrics.prefix_reused_tokens = reused
+        self.stats.prefix_hits += int(reused > 0)
+        self.stats.prefix_reused_tokens += reused
         spec = req.spec
         # On the target's device, as in Engine: verification samples there.
         generator = None if req.params.greedy else req.params.generator(self.target.device)
@@ -503,7 +526,8 @@ class BatchEngine:
                 row.model_draft = True
                 row.min_confidence = spec.min_confidence
                 assert self.draft_model is not None
-                self.draft_model.begin(slot, req.prompt, spec.draft_vocab, spec.draft_window)
+                self.stats.prefix_draft_reused_tokens += self.draft_model.begin(slot, req.prompt, spec.draft_vocab,
+                                                                                spec.draft_window)
             else:
                 row.drafter = self._drafters.acquire(spec)
                 row.drafter.begin(req.prompt)
@@ -627,9 +651,14 @@ class BatchEngine:
             slot = req.row.slot
             del self._running[slot]
             self.scheduler.release(slot)
-            self.cache.reset(slot)
-            if self.draft_model is not None:
-                self.draft_model.begin(slot)
+            if self.prefix_reuse:
+                held = held_tokens(req.row.seq, self.cache.lengths[slot])
+                self._prefixes.record(slot, held)
+                self.cache.lengths[slot] = len(held)
+            else:
+                self.cache.reset(slot)
+            if self.draft_model is not None and req.row.model_draft:
+                self.draft_model.release(slot, req.row.seq if self.prefix_reuse else None)
             if req.row.drafter is not None:
                 self._drafters.release(req.spec, req.row.drafter)
         m = req.metrics

@@ -34,6 +34,7 @@ from verispec.drafters.base import Proposal
 from verispec.drafters.vocab import DraftVocab, SubsetHead, check_draft_vocab
 from verispec.drafters.window import DraftWindow
 from verispec.engine.metrics import sync
+from verispec.engine.prefix import SlotPrefixes, held_tokens
 from verispec.models.llama import Transformer
 from verispec.sampling import SamplingParams, probs_from_logits, sample
 
@@ -81,24 +82,47 @@ class BatchDraftModel:
         self._head: SubsetHead | None = None
         self.reduced_forwards = 0  # lockstep forwards that ran a reduced head
         self._windows: dict[int, DraftWindow] = {}  # per slot: the part of its sequence the draft reads
+        self.prefixes = SlotPrefixes(slots)  # per free slot: the draft tokens its row holds
 
     def begin(self, slot: int, prompt: list[int] | None = None, draft_vocab: int | None = None,
-              window: int | None = None) -> None:
+              window: int | None = None) -> int:
         """A new sequence takes ``slot``; ``draft_vocab`` drafts it with a reduced head (its prompt's ids
-        included), ``window`` reads only the ends of a long prompt (:mod:`verispec.drafters.window`)."""
-        self.cache.reset(slot)
+        included), ``window`` reads only the ends of a long prompt (:mod:`verispec.drafters.window`).
+
+        Returns how many of the tokens the draft reads of ``prompt`` its row already holds from the
+        slot's previous draft sequence (see :meth:`release`); the first draft catches up on the rest.
+        """
         self._local_gens.pop(slot, None)
-        self._windows[slot] = DraftWindow.for_prompt(len(prompt or ()), window)
+        reads = self._windows[slot] = DraftWindow.for_prompt(len(prompt or ()), window)
+        # What the row holds is the K/V of the tokens the previous sequence's draft read, at positions
+        # 0, 1, ...: valid for any later sequence whose own read starts with them (window or not; the
+        # head, full or reduced, only maps the last hidden state to logits and leaves K/V alone).
+        self.cache.lengths[slot] = self.prefixes.claim(slot, reads.view(list(prompt or ())))
         self._epoch[slot] = self._epoch.get(slot, 0) + 1
         check_draft_vocab(draft_vocab)
         if draft_vocab is None or draft_vocab >= self.model.args.vocab_size:
             self._row_vocab.pop(slot, None)
-            return
+            return self.cache.lengths[slot]
         vocab = self._vocabs.get(draft_vocab)
         if vocab is None:
             vocab = self._vocabs[draft_vocab] = DraftVocab(self.model, draft_vocab, self.special_ids)
         extra = torch.tensor(vocab.extra_ids(prompt or ()), dtype=torch.long, device=self.model.device)
         self._row_vocab[slot] = (draft_vocab, extra)
+        return self.cache.lengths[slot]
+
+    def release(self, slot: int, seq: list[int] | None = None) -> None:
+        """The sequence in ``slot`` is done; its row keeps the K/V of what its draft read of ``seq``
+        (its final sequence) for the slot's next draft sequence. ``seq`` None keeps nothing."""
+        if seq is None:
+            self.prefixes.forget(slot)
+            self.cache.reset(slot)
+        else:
+            held = held_tokens(self._window(slot).view(seq), self.cache.lengths[slot])
+            self.prefixes.record(slot, held)
+            self.cache.lengths[slot] = len(held)
+        self._local_gens.pop(slot, None)
+        self._row_vocab.pop(slot, None)
+        self._windows.pop(slot, None)
 
     def _head_for(self, rows: list[DraftRow]) -> tuple[SubsetHead | None, dict[int, tuple[int, torch.Tensor]]]:
         """The head for a forward drafting ``rows`` and the slots whose logits must be cut to their own subset."""
@@ -182,7 +206,10 @@ class BatchDraftModel:
                 f = feeds[r.slot]
                 tokens[r.slot - lo] = torch.tensor(f + [f[-1]] * (width - len(f)))
             pos = torch.tensor(starts).unsqueeze(1) + torch.arange(width)
-            logits = self.model(tokens.to(device), pos.to(device), self.cache, kv_len=int(pos.max()) + 1,
+            # Keys up to the drafting rows' last position: an idle slot's dummies may sit further out;
+            # they are written all the same, and what their queries attend to is never read.
+            kv_len = max(lengths[r.slot] for r in active) + width
+            logits = self.model(tokens.to(device), pos.to(device), self.cache, kv_len=kv_len,
                                 rows=slice(lo, hi), last_only=width == 1, **head_arg)
             self.forwards += 1
             self.reduced_forwards += int(head is not None)

@@ -110,8 +110,11 @@ def batched_step(target: Transformer, cache: KVCache, rows: list[Row],
         tokens[r.slot - lo] = torch.tensor(real + [real[-1]] * (width - len(real)))
         starts[r.slot - lo] = len(r.seq) - 1
     pos = torch.tensor(starts).unsqueeze(1) + torch.arange(width)
-    logits = target(tokens.to(target.device), pos.to(target.device), cache, kv_len=int(pos.max()) + 1,
-                     rows=slice(lo, hi))
+    # Keys up to the stepping rows' last position: a hole's dummies may sit further out (a row still
+    # prefilling, a free slot's cached prefix); they are written all the same, and what their queries
+    # attend to is never read. Every row attending to a hole's length would pay for it.
+    kv_len = max(len(r.seq) for r in rows) - 1 + width
+    logits = target(tokens.to(target.device), pos.to(target.device), cache, kv_len=kv_len, rows=slice(lo, hi))
     sync(logits.device)  # charge the forward to "score", not to the first sync in "verify"
     t2 = time.perf_counter()
 
@@ -153,8 +156,11 @@ class BatchStats:
     """Engine-wide counters of a :class:`~verispec.engine.batch.BatchEngine`: what its steps did.
 
     ``width_steps`` counts steps by padded width (k + 1 of the widest row), ``policy_k`` the k the
-    concurrency-aware policy chose, ``rows_steps`` steps by number of rows. Finished requests'
-    own :class:`Metrics` are merged into ``requests``.
+    concurrency-aware policy chose, ``rows_steps`` steps by number of rows. ``prefix_hits`` counts
+    admitted requests that kept part of their slot's cached KV, ``prefix_reused_tokens`` the prompt
+    positions of the target they did not prefill, ``prefix_draft_reused_tokens`` those the draft
+    model did not read (:mod:`verispec.engine.prefix`). Finished requests' own :class:`Metrics` are
+    merged into ``requests``.
     """
 
     steps: int = 0
@@ -164,6 +170,9 @@ class BatchStats:
     prefill_s: float = 0.0
     catch_up_tokens: int = 0  # context the draft model read on its own (new rows' prompts, plain stretches)
     catch_up_s: float = 0.0
+    prefix_hits: int = 0
+    prefix_reused_tokens: int = 0
+    prefix_draft_reused_tokens: int = 0
     rows_steps: dict[int, int] = field(default_factory=dict)
     width_steps: dict[int, int] = field(default_factory=dict)
     policy_k: dict[int, int] = field(default_factory=dict)
@@ -183,7 +192,8 @@ class BatchStats:
     def summary(self) -> dict[str, Any]:
         """Plain JSON-able counters (the merged request metrics under ``requests``)."""
         names = ("steps", "step_s", "scored_tokens", "prefill_tokens", "prefill_s", "catch_up_tokens", "catch_up_s",
-                 "rows_steps", "width_steps", "policy_k")
+                 "prefix_hits", "prefix_reused_tokens", "prefix_draft_reused_tokens", "rows_steps", "width_steps",
+                 "policy_k")
         d = {name: getattr(self, name) for name in names}
         d["mean_rows"] = sum(b * c for b, c in self.rows_steps.items()) / self.steps if self.steps else 0.0
         d["requests"] = self.requests.summary()

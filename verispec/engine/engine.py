@@ -17,6 +17,7 @@ from verispec.drafters.base import Drafter
 from verispec.engine.compiled import cache_slack, compile_model
 from verispec.engine.metrics import Metrics, seconds_of
 from verispec.engine.policy import Acceptance, AnswerLengths, ContextCost, CostModel, make_policy, per_position_s
+from verispec.engine.prefix import SlotPrefixes, held_tokens
 from verispec.engine.step import speculative_step
 from verispec.engine.stopping import StepTokens, append_tokens, final_text, hit_stop, k_cap
 from verispec.errors import VerispecError
@@ -66,7 +67,10 @@ def check_tokenizers_match(target_tok: Any, draft_tok: Any, target_vocab: int, d
 class Engine:
     """Generates from a target model, optionally speculating with a drafter.
 
-    Build with :meth:`from_pretrained`; call :meth:`generate`.
+    Build with :meth:`from_pretrained`; call :meth:`generate`. Requests run one at a time on a
+    one-row target cache; with ``prefix_reuse`` (default True) the row keeps a finished request's
+    K/V, and the next request prefills only what its prompt does not share with it
+    (:mod:`verispec.engine.prefix`; drafters begin afresh either way).
     """
 
     def __init__(self, config: EngineConfig, target: Transformer, tokenizer: Any | None, eos_ids: set[int],
@@ -85,6 +89,8 @@ class Engine:
         # A compiled forward pads m up to a bucket; slack positions keep padding off real entries.
         self.cache_len = config.max_len + (cache_slack() if config.compile else 0)
         self.cache = target.new_cache(1, self.cache_len)
+        self.prefix_reuse = True
+        self._prefixes = SlotPrefixes(1)  # the tokens row 0 holds after the last request
         if config.compile:
             compile_model(target, self.cache_len, warmup=tuple(range(1, config.compile_k + 2)))
             if draft is not None:
@@ -184,6 +190,7 @@ class Engine:
         long_context = max(context, min(8 * context if long_context is None else long_context,
                                         self.config.max_len - k_max - 2))
         seq = [(7 * i + 3) % vocab for i in range(long_context)]
+        self._prefixes.forget(0)
         self.cache.reset(0)
         dev = self.target.device
         self.target(torch.tensor([seq[:context - 1]], device=dev), torch.arange(context - 1, device=dev).unsqueeze(0),
@@ -319,13 +326,17 @@ class Engine:
         # On the target's device: verification samples there (the draft keeps its own if elsewhere).
         generator = None if params.greedy else params.generator(self.target.device)
         seq = list(prompt)
-        # Prefill all but the last prompt token: the first step scores it with the first draft.
-        self.cache.reset(0)
-        if len(prompt) > 1:
+        # Prefill all but the last prompt token (the first step scores it with the first draft), from
+        # what the last request left in the row that this prompt starts with. The record counts only
+        # if the row still has the length it left with (nothing else rolled it back or reset it).
+        if not self.prefix_reuse or len(self._prefixes.held(0)) != self.cache.lengths[0]:
+            self._prefixes.forget(0)
+        done = self.cache.lengths[0] = m.prefix_reused_tokens = self._prefixes.claim(0, prompt)
+        if len(prompt) - 1 > done:
             with m.timed("prefill"):
                 dev = self.target.device
-                pos = torch.arange(len(prompt) - 1, device=dev).unsqueeze(0)
-                self.target(torch.tensor([prompt[:-1]], device=dev), pos, self.cache, last_only=True)
+                pos = torch.arange(done, len(prompt) - 1, device=dev).unsqueeze(0)
+                self.target(torch.tensor([prompt[done:-1]], device=dev), pos, self.cache, last_only=True)
                 self.cache.lengths[0] = len(prompt) - 1
         if drafter is not None:
             drafter.begin(prompt)
@@ -356,6 +367,10 @@ class Engine:
             finish = append_tokens(new, seq, out, params, self.eos_ids, self.decode)
             if on_tokens is not None and on_tokens(StepTokens.of(new, out, n_before)) is False and finish is None:
                 finish = "cancelled"
+        if self.prefix_reuse:
+            held = held_tokens(seq, self.cache.lengths[0])
+            self._prefixes.record(0, held)
+            self.cache.lengths[0] = len(held)
         m.generated_tokens = len(out)
         m.total_s = time.perf_counter() - t0
         if finish != "cancelled":

@@ -41,11 +41,13 @@ class Metrics:
 
     ``steps`` counts target forwards after prefill; ``mean_accepted_length`` is Spec-Bench's
     "mean accepted tokens": tokens produced per target forward, bonus token included, so plain
-    decoding scores exactly 1.0.
+    decoding scores exactly 1.0. ``prefix_reused_tokens`` are prompt tokens whose target K/V an
+    earlier request left in the cache, so they were not prefilled (:mod:`verispec.engine.prefix`).
     """
 
     requests: int = 0
     prompt_tokens: int = 0
+    prefix_reused_tokens: int = 0
     generated_tokens: int = 0
     steps: int = 0
     drafted: int = 0
@@ -106,8 +108,8 @@ class Metrics:
 
     def merge(self, other: Metrics) -> Metrics:
         """Add ``other``'s counts into this one (returns self)."""
-        for name in ("requests", "prompt_tokens", "generated_tokens", "steps", "drafted", "accepted", "total_s",
-                     "ttft_s"):
+        for name in ("requests", "prompt_tokens", "prefix_reused_tokens", "generated_tokens", "steps", "drafted",
+                     "accepted", "total_s", "ttft_s"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for mine, theirs in ((self.drafted_by_position, other.drafted_by_position),
                              (self.accepted_by_position, other.accepted_by_position)):

@@ -5,11 +5,16 @@ Pure bookkeeping, no tensors. A request needs a slot (a row of the static KV cac
 run out of cache mid-generation and nothing ever needs preempting. Admission is strictly FIFO: if
 the request at the head of the queue does not fit yet, later (smaller) ones wait behind it, so a
 long request cannot be starved by a stream of short ones.
+
+A free slot may still hold an earlier request's KV (prefix reuse, :mod:`verispec.engine.prefix`):
+it is free all the same, and those cached tokens reserve no budget. Which free slot an admitted
+request gets is the ``choose`` callback's decision (default: the lowest).
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -29,15 +34,18 @@ class Admission(Generic[T]):
 class Scheduler(Generic[T]):
     """Slots ``0..slots-1`` and ``budget`` KV tokens shared by running requests.
 
-    ``max_len`` is the longest sequence one slot holds. Free slots are handed out lowest first,
-    which keeps running rows packed at the start of the cache (the batched forward covers the
-    span from the lowest to the highest running slot).
+    ``max_len`` is the longest sequence one slot holds. ``choose(item, free)`` picks the slot an
+    admitted item gets among the free ones (ascending); by default the lowest, which keeps running
+    rows packed at the start of the cache (the batched forward covers the span from the lowest to
+    the highest running slot).
     """
 
-    def __init__(self, slots: int, budget: int, max_len: int) -> None:
+    def __init__(self, slots: int, budget: int, max_len: int,
+                 choose: Callable[[T, list[int]], int] | None = None) -> None:
         if slots < 1:
             raise VerispecError("a batch needs at least one slot")
         self.slots, self.budget, self.max_len = slots, budget, max_len
+        self.choose = choose
         self.waiting: deque[tuple[T, int]] = deque()
         self.running: dict[int, tuple[T, int]] = {}  # slot -> (item, reserved tokens)
         self._free = list(range(slots))
@@ -70,7 +78,8 @@ class Scheduler(Generic[T]):
         used = self.used_tokens
         while self.waiting and self._free and used + self.waiting[0][1] <= self.budget:
             item, tokens = self.waiting.popleft()
-            slot = self._free.pop(0)
+            slot = self._free[0] if self.choose is None else self.choose(item, list(self._free))
+            self._free.remove(slot)
             self.running[slot] = (item, tokens)
             used += tokens
             admitted.append(Admission(item, slot))

@@ -100,8 +100,10 @@ def create_app(engine: Engine, config: ServerConfig, worker: Worker | None = Non
         label_sets.append((SPECULATIVE, config.spec.method))
     metrics = ServerMetrics(engine.config.max_len, config.stats_window_s, tuple(label_sets))
     if worker is None:
+        engine.prefix_reuse = config.prefix_reuse  # the one-request engine's switch (EngineWorker)
         worker = (EngineWorker(engine, metrics, config.max_queue, config.spec) if config.max_batch == 1
-                  else BatchWorker(engine, metrics, config.max_queue, config.spec, config.max_batch))
+                  else BatchWorker(engine, metrics, config.max_queue, config.spec, config.max_batch,
+                                   prefix_reuse=config.prefix_reuse))
     state = ServerState(engine, config, worker, metrics, CanaryRouter(config.spec_fraction), int(time.time()))
     dashboard = (files("verispec.server") / "dashboard.html").read_text(encoding="utf-8")
 

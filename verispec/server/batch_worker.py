@@ -56,16 +56,17 @@ class BatchWorker:
     """Runs requests ``max_batch`` at a time on a :class:`BatchEngine`, admitted in arrival order.
 
     ``kv_budget_tokens`` caps the KV tokens running requests reserve (prompt + max_tokens each;
-    default: every slot's full context). The worker's own thread steps the engine.
+    default: every slot's full context). ``prefix_reuse`` lets a request reuse the KV an earlier
+    one left in its slot (see :mod:`verispec.engine.prefix`). The worker's own thread steps the engine.
     """
 
     def __init__(self, engine: Engine, observer: Observer, max_queue: int, spec: SpecConfig, max_batch: int,
-                 kv_budget_tokens: int | None = None) -> None:
+                 kv_budget_tokens: int | None = None, prefix_reuse: bool = True) -> None:
         self.engine = engine
         self._observer = observer
         self._max_queue = max_queue
         self._spec = spec
-        self._batch_args = dict(max_batch=max_batch, kv_budget_tokens=kv_budget_tokens)
+        self._batch_args = dict(max_batch=max_batch, kv_budget_tokens=kv_budget_tokens, prefix_reuse=prefix_reuse)
         try:
             self._batch = BatchEngine(engine, **self._batch_args)
         except VerispecError as e:
@@ -254,8 +255,12 @@ class BatchWorker:
 
     def _snapshot(self) -> dict[str, Any]:
         b = self._batch
-        rows = b.stats.rows_steps
+        st = b.stats
+        rows = st.rows_steps
         return {"max_batch": b.slots, "running": b.num_running, "kv_used_tokens": b.kv_used_tokens,
-                "kv_budget_tokens": b.kv_budget_tokens, "steps": b.stats.steps,
+                "kv_budget_tokens": b.kv_budget_tokens, "steps": st.steps,
                 "rows_steps": {str(n): c for n, c in sorted(rows.items())},
-                "mean_rows": sum(n * c for n, c in rows.items()) / b.stats.steps if b.stats.steps else 0.0}
+                "mean_rows": sum(n * c for n, c in rows.items()) / st.steps if st.steps else 0.0,
+                "prefix_reuse": b.prefix_reuse, "prefill_tokens": st.prefill_tokens, "prefix_hits": st.prefix_hits,
+                "prefix_reused_tokens": st.prefix_reused_tokens,
+                "prefix_draft_reused_tokens": st.prefix_draft_reused_tokens}

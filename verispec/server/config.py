@@ -17,7 +17,9 @@ class ServerConfig:
     there when a request does not choose itself. ``max_batch`` requests share each target forward
     (:class:`~verispec.engine.batch.BatchEngine`); with 1 the one-request engine serves them in turn,
     which also serves layer-skip drafting. ``admin_token`` guards the admin endpoints,
-    which are disabled without one.
+    which are disabled without one. ``prefix_reuse`` keeps a finished request's KV for later
+    requests sharing a prefix with it (multi-turn chats, repeated system prompts; see
+    :mod:`verispec.engine.prefix`).
     """
 
     model_name: str
@@ -32,6 +34,7 @@ class ServerConfig:
     default_max_tokens: int = 16  # /v1/completions without max_tokens (OpenAI's default)
     stats_window_s: float = 60.0  # the window /stats and the dashboard summarise
     shutdown_timeout_s: float = 10.0  # how long shutdown waits for the worker to stop
+    prefix_reuse: bool = True  # reuse the KV a finished request left for requests sharing its prefix
 
     def __post_init__(self) -> None:
         if not self.model_name:

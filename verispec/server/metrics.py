@@ -80,7 +80,11 @@ class ServerMetrics:
         self.request_success = Counter("verispec:request_success", "Requests that finished, by finish reason "
                                        "(stop, length, cancelled).", (*LABELS, "finished_reason"), registry=r)
         self.request_failure = Counter("verispec:request_failure", "Requests the engine failed.", LABELS, registry=r)
-        self.prompt_tokens = Counter("verispec:prompt_tokens", "Prompt tokens prefilled.", LABELS, registry=r)
+        self.prompt_tokens = Counter("verispec:prompt_tokens", "Prompt tokens of requests that ran (prefilled or "
+                                     "reused).", LABELS, registry=r)
+        self.prefix_reused_tokens = Counter("verispec:prefix_reused_tokens", "Prompt tokens not prefilled because "
+                                            "an earlier request left their KV in the cache (prefix reuse).", LABELS,
+                                            registry=r)
         self.generation_tokens = Counter("verispec:generation_tokens", "Tokens generated.", LABELS, registry=r)
         self.ttft = Histogram("verispec:time_to_first_token_seconds", "From arrival to the first generated token.",
                               LABELS, buckets=_LATENCY_BUCKETS, registry=r)
@@ -96,8 +100,8 @@ class ServerMetrics:
                               "requests (1 = full).", LABELS, registry=r)
         for labels in label_sets:  # so the series exist (at 0) before the first request
             for metric in (self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens, self.num_steps,
-                           self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.e2e, self.running,
-                           self.waiting, self.kv_cache_usage, self.request_failure):
+                           self.prompt_tokens, self.prefix_reused_tokens, self.generation_tokens, self.ttft, self.itl,
+                           self.e2e, self.running, self.waiting, self.kv_cache_usage, self.request_failure):
                 metric.labels(*labels)
 
         self._lock = threading.Lock()
@@ -168,6 +172,7 @@ class ServerMetrics:
             return
         m = result.metrics
         self.prompt_tokens.labels(*labels).inc(len(result.prompt_token_ids))
+        self.prefix_reused_tokens.labels(*labels).inc(m.prefix_reused_tokens)
         self.generation_tokens.labels(*labels).inc(len(result.token_ids))
         self.num_steps.labels(*labels).inc(m.steps)
         if m.drafted:
@@ -180,7 +185,8 @@ class ServerMetrics:
         with self._lock:
             totals = self._totals[request.path]
             for name, value in (("requests", 1), ("generated", len(result.token_ids)), ("steps", m.steps),
-                                ("drafted", m.drafted), ("accepted", m.accepted)):
+                                ("drafted", m.drafted), ("accepted", m.accepted),
+                                ("prefix_reused", m.prefix_reused_tokens)):
                 totals[name] += value
             if result.finish_reason != "cancelled":  # a cut-short request would skew the latencies
                 self._window[request.path].append(_Finished(now, len(result.token_ids), m.steps, m.drafted,
@@ -237,6 +243,7 @@ class ServerMetrics:
                         "steps": totals.get("steps", 0),
                         "drafted": totals.get("drafted", 0),
                         "accepted": totals.get("accepted", 0),
+                        "prefix_reused_tokens": totals.get("prefix_reused", 0),
                         "acceptance_rate": _ratio(totals.get("accepted", 0), totals.get("drafted", 0)),
                         "mean_accepted_length": _ratio(totals.get("generated", 0), totals.get("steps", 0)),
                     },
