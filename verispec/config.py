@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache
 
 import torch
@@ -150,6 +150,12 @@ class SpecConfig:
     @property
     def enabled(self) -> bool:
         return self.method != "none" and self.k > 0
+
+    @property
+    def drafter_key(self) -> str:
+        """What identifies this spec's drafter: every setting but k (one drafter, and one record of its
+        costs and acceptance, per key)."""
+        return repr(replace(self, k=0))
 
 
 PLAIN = SpecConfig(method="none", k=0)
