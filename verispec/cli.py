@@ -84,16 +84,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
                             top_p=args.top_p, seed=args.seed, stop=tuple(args.stop or ()), ignore_eos=args.ignore_eos)
     spec = _spec_from(args)
     if args.tp > 1:  # one process per rank: rank 0 generates, the others follow its target forwards
-        from verispec.parallel import tp
+        from verispec import launch
 
-        engine = tp.tp_engine(args.model, args.draft, tp=args.tp, **_engine_kwargs(args))
+        engine = launch.tp_engine(args.model, args.draft, tp=args.tp, **_engine_kwargs(args))
         if engine is None:
-            tp.shutdown()
+            launch.shutdown()
             return 0
         try:
             result = engine.generate(args.prompt, params, spec, chat=args.chat)[0]
         finally:
-            tp.shutdown(engine)
+            launch.shutdown(engine)
     else:
         engine = Engine.from_pretrained(args.model, draft=args.draft, **_engine_kwargs(args))
         result = engine.generate(args.prompt, params, spec, chat=args.chat)[0]
