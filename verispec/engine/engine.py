@@ -17,7 +17,7 @@ from verispec.engine.compiled import cache_slack, compile_model
 from verispec.engine.metrics import Metrics, seconds_of
 from verispec.engine.policy import Acceptance, AnswerLengths, ContextCost, CostModel, make_policy, per_position_s
 from verispec.engine.step import speculative_step
-from verispec.engine.stopping import append_tokens, final_text, hit_stop, k_cap
+from verispec.engine.stopping import append_tokens, final_text, k_cap
 from verispec.errors import VerispecError
 from verispec.log import logger
 from verispec.models.llama import Transformer
@@ -335,6 +335,3 @@ class Engine:
         if finish != "cancelled":
             self.answer_lengths.add(len(out), cut=finish == "length")
         return GenerationResult(prompt, out, final_text(self.decode(out), params.stop), finish, m)
-
-    def _hit_stop(self, out: list[int], stops: tuple[str, ...]) -> bool:
-        return hit_stop(out, stops, self.decode)
