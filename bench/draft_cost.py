@@ -16,7 +16,7 @@ import argparse
 import gc
 
 from verispec import Engine
-from verispec.bench.runner import machine
+from verispec.bench.hardware import machine
 from verispec.drafters.model import ModelDrafter
 from verispec.drafters.vocab import special_token_ids
 from verispec.models.loader import build_model, open_source

@@ -81,11 +81,11 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
     """Run the benchmark ``opts`` describes, write the report files and return the report dict."""
     from verispec import kernels as fast_kernels
     from verispec.bench import datasets
+    from verispec.bench.hardware import machine
     from verispec.bench.harness import BenchRunner, engine_generate
     from verispec.bench.memory import MemoryTracker, drafter_footprint, peak_rss_bytes, rss_bytes
     from verispec.bench.methods import BASELINE, parse_methods, spec_dict, with_k_sweep
     from verispec.bench.report import markdown, now, versions, write_json
-    from verispec.bench.runner import machine
     from verispec.bench.stats import aggregate, overall
     from verispec.engine.engine import Engine
     from verispec.sampling import SamplingParams
