@@ -24,8 +24,10 @@ kernels: $(VENV)/.installed
 models: setup
 	$(VENV)/bin/verispec models install $(MODELS)
 
+# ruff, then the layering contract of pyproject.toml's [tool.importlinter].
 lint: setup
 	$(VENV)/bin/ruff check verispec tests bench
+	$(VENV)/bin/lint-imports
 
 # The server's dashboard test drives Debian's Chromium (Playwright never downloads a browser here).
 chromium:

@@ -20,7 +20,7 @@ from typing import Any
 
 from verispec import Engine, SamplingParams, SpecConfig
 from verispec.bench.datasets import humaneval
-from verispec.bench.runner import machine
+from verispec.bench.hardware import machine
 from verispec.engine.metrics import Metrics
 
 

@@ -30,7 +30,7 @@ import torch
 
 from verispec import Engine, SamplingParams, SpecConfig, VerispecError
 from verispec.bench.datasets import default_spec_bench, spec_bench
-from verispec.bench.runner import machine
+from verispec.bench.hardware import machine
 from verispec.config import PLAIN
 from verispec.engine.batch import BatchEngine
 from verispec.engine.batch_step import BatchStats

@@ -16,7 +16,7 @@ import argparse
 import gc
 
 from verispec import Engine
-from verispec.bench.runner import machine
+from verispec.bench.hardware import machine
 from verispec.drafters.model import ModelDrafter
 from verispec.drafters.vocab import special_token_ids
 from verispec.models.loader import build_model, open_source
@@ -40,7 +40,7 @@ def main() -> None:
     print(f"\ndraft cost ratio c, target {args.model} ({args.dtype}, {args.weights}), draft {args.draft}, "
           f"{info['cpu']}, {info['threads']} threads, {info['date']}\n")
     print("| draft weights | draft vocab | draft ms/token | target ms/step | c |\n|---|---:|---:|---:|---:|")
-    specials = special_token_ids(engine)
+    specials = special_token_ids(engine.tokenizer, engine.eos_ids)
     for fmt in args.draft_formats.split(","):
         draft = build_model(src, engine.target.dtype, fmt, progress=False)
         for size in sizes:

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 import verispec.models.llama as llama
 from verispec import Engine, kernels
-from verispec.bench.runner import machine
+from verispec.bench.hardware import machine
 from verispec.models import linear
 
 

@@ -14,7 +14,7 @@ import statistics
 import time
 
 from verispec import Engine
-from verispec.bench.runner import machine
+from verispec.bench.hardware import machine
 
 
 def main() -> None:

@@ -16,8 +16,7 @@ import time
 import torch
 
 from verispec import Engine, SamplingParams, hub
-from verispec.bench.hardware import read_bandwidth, weight_bytes_per_token
-from verispec.bench.runner import machine
+from verispec.bench.hardware import machine, read_bandwidth, weight_bytes_per_token
 
 PROMPT = "Write a Python function that returns the n-th prime number, with a docstring and tests."
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from verispec import Engine, SamplingParams, SpecConfig
-from verispec.bench.runner import machine
+from verispec.bench.hardware import machine
 from verispec.engine.batch import BatchEngine
 
 QUESTION = "Here is a module of our inventory service:\n\n```python\n{code}```\n\nWhat does it do? Be brief."

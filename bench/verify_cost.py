@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from verispec import Engine, SamplingParams
-from verispec.bench.runner import machine
+from verispec.bench.hardware import machine
 from verispec.models.linear import WEIGHT_FORMATS
 
 PROMPT = "Write a Python function that returns the n-th prime number, with a docstring and tests."

@@ -19,14 +19,13 @@ from verispec.bench.consistency import bleu, compare, distribution_check, first_
 from verispec.bench.methods import BASELINE, parse_method, parse_methods, split_methods, with_k_sweep
 from verispec.bench.peers import hf_location, load_hf_model
 from verispec.bench.report import REPORT_KEYS
-from verispec.bench.runner import markdown_table, plot_speedup, run_methods, summarize
 from verispec.bench.stability import NULL_DRAFTER, run_suite
 from verispec.bench.stats import MethodStats, ratios_by_category, spec_bench_mean
 from verispec.cli import main
 from verispec.config import DEFAULT_SPEC, PLAIN, SpecConfig
+from verispec.demo import demo_options
 from verispec.engine.engine import Engine
 from verispec.errors import VerispecError
-from verispec.sampling import SamplingParams
 
 MAX_LEN = 96
 
@@ -204,18 +203,17 @@ def test_stability_suite_passes_on_a_tiny_model(engine: Engine) -> None:
     assert {r.method for r in results if r.case == NULL_DRAFTER} == {BASELINE, NULL_DRAFTER}
 
 
-# -- the older runner API (make demo) --------------------------------------------------------------
+# -- make demo ---------------------------------------------------------------------------------------
 
-def test_demo_runner_api_still_works(engine: Engine, tmp_path: Path) -> None:
-    prompts = [datasets.BenchPrompt("1", "a", "write code for x", True),
-               datasets.BenchPrompt("2", "b", "def f ( x ) :", False)]
-    runs = run_methods(engine, prompts, {"plain": PLAIN, "draft k=3": SpecConfig("draft", 3, "fixed")},
-                       SamplingParams(max_tokens=8), progress=False)
-    rows = summarize(prompts, runs, baseline="plain")
-    assert all(r.exact_match == 1.0 for r in rows)
-    assert "draft k=3" in markdown_table(rows)
-    plot_speedup(rows, str(tmp_path / "s.png"), "t")
-    assert (tmp_path / "s.png").stat().st_size > 0
+def test_demo_is_a_bench_run_of_its_methods(pair: tuple[str, str], tmp_path: Path) -> None:
+    data = _write_jsonl(tmp_path / "p.jsonl", [{"category": "code", "prompt": "def add ( x , y ) : return x + y"},
+                                               {"category": "chat", "prompt": "what is the cat ?"}])
+    opts = replace(demo_options(str(tmp_path / "out")), model=pair[0], draft=pair[1], dataset=f"jsonl:{data}",
+                   max_tokens=8, dtype="float32", max_len=MAX_LEN, progress=False)
+    report = run_bench(opts)
+    assert [m["label"] for m in report["methods"]] == [BASELINE, "draft:k=5", "ngram:k=5", "hybrid:k=5"]
+    assert all(c["exact_match"] == 1.0 for c in report["consistency"])
+    assert "speedup_by_category.png" in report["plots"] and (tmp_path / "out" / "report.md").is_file()
 
 
 def test_peer_models_load_from_the_engines_files(tmp_path: Path, pair: tuple[str, str]) -> None:

@@ -26,10 +26,10 @@ from tiny_server import make_tiny_pair, metric_value, running_server
 
 from verispec import Engine
 from verispec.config import SpecConfig
+from verispec.engine.detok import IncrementalDetokenizer, StreamText
 from verispec.errors import VerispecError
 from verispec.server import ServerConfig, create_app
 from verispec.server.canary import CanaryRouter, routes_to_speculation
-from verispec.server.detok import IncrementalDetokenizer, StreamText
 
 MODEL = "tiny"
 ADMIN = "test-admin-token"

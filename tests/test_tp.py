@@ -28,8 +28,9 @@ from tiny import make_tiny
 from verispec import Engine, SamplingParams, SpecConfig
 from verispec.config import EngineConfig
 from verispec.errors import VerispecError
+from verispec.launch import shutdown, tp_engine
 from verispec.models.loader import build_model, open_source
-from verispec.parallel.tp import lead, shard_transformer, shutdown, tp_engine
+from verispec.parallel.tp import lead, shard_transformer
 
 WORLD = 2
 DEADLINE_S = 120  # spawn + imports on a loaded 2-core machine; a healthy run takes a fraction of it

@@ -10,7 +10,7 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from verispec.config import DEFAULT_SPEC
+from verispec.config import DEFAULT_SPEC, SpecConfig
 from verispec.errors import VerispecError
 
 if TYPE_CHECKING:
@@ -147,16 +147,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = _sampling_from(args)
     spec = _spec_from(args)
     if args.tp > 1:  # one process per rank: rank 0 generates, the others follow its target forwards
-        from verispec.parallel import tp
+        from verispec import launch
 
-        engine = tp.tp_engine(args.model, args.draft, tp=args.tp, **_engine_kwargs(args))
+        engine = launch.tp_engine(args.model, args.draft, tp=args.tp, **_engine_kwargs(args))
         if engine is None:
-            tp.shutdown()
+            launch.shutdown()
             return 0
         try:
             result = _generate(engine, args, params, spec)
         finally:
-            tp.shutdown(engine)
+            launch.shutdown(engine)
     else:
         engine = Engine.from_pretrained(args.model, draft=args.draft, **_engine_kwargs(args))
         result = _generate(engine, args, params, spec)

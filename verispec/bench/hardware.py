@@ -1,11 +1,31 @@
-"""What the machine can do: memory read bandwidth and the decode roofline it implies."""
+"""What the machine is and can do: its description, memory read bandwidth and the decode roofline it implies."""
 
 from __future__ import annotations
 
+import platform
 import time
+from datetime import date
+from typing import Any
 
 import torch
 from torch import nn
+
+
+def machine() -> dict[str, Any]:
+    """What the figures were measured on."""
+    import transformers
+
+    from verispec.config import cpu_has_fast_bf16
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return {"date": date.today().isoformat(), "cpu": cpu, "threads": torch.get_num_threads(),
+            "bf16_native": cpu_has_fast_bf16(), "python": platform.python_version(), "torch": torch.__version__,
+            "transformers": transformers.__version__}
 
 
 def read_bandwidth(gib: float = 1.0, reps: int = 5) -> float:

@@ -23,12 +23,6 @@ def peak_rss_bytes() -> int:
     return int(peak if sys.platform == "darwin" else peak * 1024)
 
 
-def module_bytes(module: torch.nn.Module) -> int:
-    """Bytes of a module's parameters and buffers (int8 weights and their scales included)."""
-    tensors = {id(t): t for t in (*module.parameters(), *module.buffers())}
-    return sum(t.numel() * t.element_size() for t in tensors.values())
-
-
 @dataclass(frozen=True)
 class DraftFootprint:
     """What a drafter holds beyond the target: a draft model's weights and its own KV cache."""

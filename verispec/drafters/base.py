@@ -4,10 +4,31 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from verispec.sampling import SamplingParams, probs_from_logits, sample
+
+if TYPE_CHECKING:
+    from verispec.models.kv_cache import KVCache
+    from verispec.models.llama import Transformer
+
+
+@dataclass(frozen=True)
+class DraftContext:
+    """What drafters are built from: the models, cache and tokenizer of the engine that runs them.
+
+    The engine builds it; drafters see nothing else of the engine.
+    """
+
+    target: Transformer
+    target_cache: KVCache  # the target's one-row cache (layer-skip drafts on it)
+    draft: Transformer | None  # a smaller same-tokenizer model, if the engine loaded one
+    tokenizer: Any | None
+    eos_ids: frozenset[int]
+    cache_len: int  # positions a drafter's own KV cache holds
+    compiled: bool  # the forwards are compiled: they take no head argument (no reduced draft vocabulary)
 
 
 @dataclass

@@ -24,7 +24,7 @@ untied heads alike, and nothing big is ever dequantized.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -36,7 +36,6 @@ from verispec.errors import VerispecError
 from verispec.models.linear import DenseLinear, Int4Linear, Int4Weight, Int8Linear, Int8Weight
 
 if TYPE_CHECKING:
-    from verispec.engine.engine import Engine
     from verispec.models.llama import Transformer
 
 # Rows of a 16-row block (verispec's vs16 layouts, int8 and int4, and packed dense bf16).
@@ -220,15 +219,15 @@ class DraftVocab:
                           round_to_bf16=isinstance(full, Int4Linear))
 
 
-def special_token_ids(engine: Engine) -> set[int]:
+def special_token_ids(tokenizer: Any | None, eos_ids: Iterable[int]) -> set[int]:
     """Ids a reduced draft head always scores: end-of-sequence ids and the tokenizer's special tokens.
 
     A Hugging Face tokenizer's regular vocabulary is ``tokenizer.vocab_size`` ids; the ids from
     there up to ``len(tokenizer)`` are added tokens (for Qwen2.5 <|endoftext|>, <|im_start|>,
     <|im_end|>, the FIM and tool-call markers). Without a tokenizer only the EOS ids are known.
     """
-    ids = set(engine.eos_ids)
-    tok = engine.tokenizer
+    ids = set(eos_ids)
+    tok = tokenizer
     if tok is not None:
         base, total = getattr(tok, "vocab_size", None), len(tok)
         if isinstance(base, int) and base < total:

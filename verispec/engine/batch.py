@@ -25,14 +25,14 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from verispec.config import PLAIN, SpecConfig
 from verispec.drafters import make_drafter
-from verispec.drafters.base import Drafter
+from verispec.drafters.base import DraftContext, Drafter
 from verispec.drafters.vocab import special_token_ids
 from verispec.engine.batch_draft import MAX_LOCKSTEP_FEED, BatchDraftModel
 from verispec.engine.batch_policy import BatchCostModel, BatchPolicy, RowPlan, profile_costs
@@ -203,20 +203,16 @@ class _DrafterPool:
     theirs for reuse (``begin`` resets it), so a drafter is built at most once per slot.
     """
 
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
+    def __init__(self, ctx: DraftContext) -> None:
+        self.ctx = ctx
         self.free: dict[str, list[Drafter]] = {}
 
-    @staticmethod
-    def key(spec: SpecConfig) -> str:
-        return repr(replace(spec, k=0))  # everything but k identifies a drafter, as in Engine.drafter
-
     def acquire(self, spec: SpecConfig) -> Drafter:
-        pool = self.free.setdefault(self.key(spec), [])
-        return pool.pop() if pool else make_drafter(spec, self.engine)
+        pool = self.free.setdefault(spec.drafter_key, [])
+        return pool.pop() if pool else make_drafter(spec, self.ctx)
 
     def release(self, spec: SpecConfig, drafter: Drafter) -> None:
-        self.free.setdefault(self.key(spec), []).append(drafter)
+        self.free.setdefault(spec.drafter_key, []).append(drafter)
 
 
 class BatchEngine:
@@ -264,12 +260,13 @@ class BatchEngine:
                                                         self._choose_slot if prefix_reuse else None)
         self.cache = self.target.new_cache(slots, cache_len)
         self.draft_model = (BatchDraftModel(self.draft, slots, cache_len, self.target.args.vocab_size,
-                                            special_token_ids(engine)) if self.draft is not None else None)
+                                            special_token_ids(engine.tokenizer, engine.eos_ids))
+                            if self.draft is not None else None)
         self.prefill_chunk = prefill_chunk
         self.costs = costs
         self.policy: BatchPolicy | None = None
         self.stats = BatchStats()
-        self._drafters = _DrafterPool(engine)
+        self._drafters = _DrafterPool(engine.draft_context)
         self._seen_acceptance: dict[str, Acceptance] = {}  # per drafter, over all requests: new rows' prior
         self._seen_spread: dict[str, AcceptanceSpread] = {}  # per drafter: how requests' acceptance differs
         self._running: dict[int, _Request] = {}  # slot -> request, in admission order
@@ -533,7 +530,7 @@ class BatchEngine:
                 row.drafter.begin(req.prompt)
             if spec.k_policy == "cost":
                 # Start from what this drafter achieved on earlier requests, not a blind prior.
-                seen = self._seen_acceptance.setdefault(_DrafterPool.key(spec), Acceptance(decay=0.98))
+                seen = self._seen_acceptance.setdefault(spec.drafter_key, Acceptance(decay=0.98))
                 req.acceptance = Acceptance(prior_a=seen.rate)
             else:
                 req.kpolicy = make_policy(spec, None)
@@ -580,7 +577,7 @@ class BatchEngine:
                     if row.model_draft and self.draft_model is not None else 0
                 horizon = self.engine.answer_lengths.expected_remaining(
                     len(req.out), min(req.params.max_tokens - len(req.out), room))
-                spread = self._seen_spread.setdefault(_DrafterPool.key(req.spec), AcceptanceSpread()).sd
+                spread = self._seen_spread.setdefault(req.spec.drafter_key, AcceptanceSpread()).sd
                 plans.append(RowPlan(cap, req.acceptance.rate, model_draft=row.model_draft, catch_up=catch_up,
                                      horizon=horizon, spread=spread, context=len(row.seq),
                                      request=req.handle.id))
@@ -617,7 +614,7 @@ class BatchEngine:
                 req.kpolicy.update(row.k, report.drafted[i], report.accepted[i], report.propose_s, report.score_s)
             if req.acceptance is not None:
                 req.acceptance.update(report.drafted[i], report.accepted[i])
-                self._seen_acceptance[_DrafterPool.key(req.spec)].update(report.drafted[i], report.accepted[i])
+                self._seen_acceptance[req.spec.drafter_key].update(report.drafted[i], report.accepted[i])
             if not req.out:
                 req.metrics.ttft_s = now - req.handle.submitted_at
             n_before = len(req.out)
@@ -646,7 +643,7 @@ class BatchEngine:
         if reason != "cancelled":
             self.engine.answer_lengths.add(len(req.out), cut=reason == "length")
         if req.acceptance is not None:
-            self._seen_spread.setdefault(_DrafterPool.key(req.spec), AcceptanceSpread()).add(req.acceptance)
+            self._seen_spread.setdefault(req.spec.drafter_key, AcceptanceSpread()).add(req.acceptance)
         if req.row is not None:
             slot = req.row.slot
             del self._running[slot]

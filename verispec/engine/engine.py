@@ -13,13 +13,13 @@ import torch
 from verispec import hub
 from verispec.config import PLAIN, EngineConfig, SpecConfig, resolve_dtype
 from verispec.drafters import make_drafter
-from verispec.drafters.base import Drafter
+from verispec.drafters.base import DraftContext, Drafter
 from verispec.engine.compiled import cache_slack, compile_model
 from verispec.engine.metrics import Metrics, seconds_of
 from verispec.engine.policy import Acceptance, AnswerLengths, ContextCost, CostModel, make_policy, per_position_s
 from verispec.engine.prefix import SlotPrefixes, held_tokens
 from verispec.engine.step import speculative_step
-from verispec.engine.stopping import StepTokens, append_tokens, final_text, hit_stop, k_cap
+from verispec.engine.stopping import StepTokens, append_tokens, final_text, k_cap
 from verispec.errors import VerispecError
 from verispec.log import logger
 from verispec.models.linear import matmul_kernels
@@ -159,18 +159,24 @@ class Engine:
 
     # -- drafters -------------------------------------------------------------------------
 
+    @property
+    def draft_context(self) -> DraftContext:
+        """What drafters for this engine are built from (its models, cache and tokenizer)."""
+        return DraftContext(self.target, self.cache, self.draft, self.tokenizer, frozenset(self.eos_ids),
+                            self.cache_len, self.config.compile)
+
     def drafter(self, spec: SpecConfig) -> Drafter | None:
         """The drafter for ``spec`` (created once and reused across requests)."""
         if not spec.enabled:
             return None
-        key = repr(replace(spec, k=0))  # everything but k identifies a drafter
+        key = spec.drafter_key
         if key not in self._drafters:
-            self._drafters[key] = make_drafter(spec, self)
+            self._drafters[key] = make_drafter(spec, self.draft_context)
         return self._drafters[key]
 
     def cost_model(self, spec: SpecConfig, drafter: Drafter) -> CostModel:
         """Measured draft and verification costs for ``spec``'s drafter (profiled once, then refreshed online)."""
-        key = repr(replace(spec, k=0))
+        key = spec.drafter_key
         costs = self._costs.get(key)
         if costs is None or len(costs.verify_s) < spec.k + 1:
             costs = self._costs[key] = self.profile(drafter, spec.k)
@@ -319,7 +325,7 @@ class Engine:
         costs = self.cost_model(spec, drafter) if spec.k_policy == "cost" and drafter else None
         # The cost policy starts from what this drafter achieved on earlier requests.
         seen = None if costs is None else \
-            self._seen_acceptance.setdefault(repr(replace(spec, k=0)), Acceptance(decay=0.98))
+            self._seen_acceptance.setdefault(spec.drafter_key, Acceptance(decay=0.98))
         policy = make_policy(spec, costs, None if seen is None else seen.rate)
         m = Metrics(requests=1, prompt_tokens=len(prompt))
         t0 = time.perf_counter()
@@ -376,6 +382,3 @@ class Engine:
         if finish != "cancelled":
             self.answer_lengths.add(len(out), cut=finish == "length")
         return GenerationResult(prompt, out, final_text(self.decode(out), params.stop), finish, m)
-
-    def _hit_stop(self, out: list[int], stops: tuple[str, ...]) -> bool:
-        return hit_stop(out, stops, self.decode)

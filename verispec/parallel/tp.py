@@ -30,7 +30,6 @@ import dataclasses
 import os
 import weakref
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -41,9 +40,6 @@ from verispec.log import logger
 from verispec.models.kv_cache import KVCache
 from verispec.models.linear import DenseLinear
 from verispec.models.llama import Transformer
-
-if TYPE_CHECKING:
-    from verispec.engine.engine import Engine
 
 # Header of a message from rank 0: op, cache slot, batch, m, kv_len, row start, row stop, last_only, n_layers.
 HEADER = 9
@@ -229,42 +225,9 @@ def follow(model: Transformer) -> int:
             raise RuntimeError(f"unknown tensor-parallel op {op}")
 
 
-# -- launching -------------------------------------------------------------------------------
-
-
-def tp_engine(model: str, draft: str | None = None, **kwargs: Any) -> Engine | None:
-    """Build the engine on every rank of a ``torchrun`` launch.
-
-    Rank 0 gets an :class:`Engine` whose target is sharded (use it as usual, then call
-    :func:`shutdown`). The other ranks load and shard only the target, follow rank 0 until it
-    shuts down, and get None. ``kwargs`` are :class:`EngineConfig` fields; ``tp`` defaults to the
-    world size, and a CUDA target device becomes this rank's GPU (``cuda:LOCAL_RANK``).
-    """
-    from verispec.config import EngineConfig, resolve_dtype
-    from verispec.engine.engine import Engine
-    from verispec.models.loader import build_model, open_source, resolve_weights
-
-    device = kwargs.get("target_device") or kwargs.get("device") or "cpu"
-    if device == "cuda":
-        device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
-        kwargs["target_device"] = device
-    rank, world = init(kwargs.pop("tp", None), device)
-    kwargs["tp"] = world
-    if rank == 0:
-        return Engine.from_pretrained(model, draft, **kwargs)
-    config = EngineConfig(model=model, draft=draft, **kwargs)
-    src = open_source(model)
-    target = build_model(src, resolve_dtype(config.dtype, config.target_device),
-                         resolve_weights(src, config.weights, tp=world), progress=False).to(config.target_device)
-    shard_transformer(target, rank, world)
-    n = follow(target)
-    logger.info("rank %d: followed %d forwards", rank, n)
-    return None
-
-
-def shutdown(engine: Engine | None = None) -> None:
-    """Release the followers (on rank 0, given its engine) and leave the process group."""
-    forward = getattr(engine.target, "forward", None) if engine is not None else None
+def shutdown(target: nn.Module | None = None) -> None:
+    """Release the followers (on rank 0, given its target) and leave the process group."""
+    forward = getattr(target, "forward", None)
     if isinstance(forward, Leader):
         forward.close()
     if dist.is_initialized():

@@ -12,10 +12,10 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from verispec.config import PLAIN, SpecConfig
+from verispec.engine.detok import StreamText
 from verispec.engine.engine import GenerationResult
 from verispec.errors import VerispecError
 from verispec.sampling import SamplingParams
-from verispec.server.detok import StreamText
 from verispec.server.errors import APIError, error_body
 from verispec.server.protocol import (
     ChatCompletionRequest,
