@@ -428,11 +428,13 @@ def readme_table(root: Path, base: Path) -> str:
     head = "| method | tokens/s | vs plain |"
     sep = "|---|---:|---:|"
     if peer:
-        head += " vs llama.cpp | HumanEval vs llama.cpp | Spec-Bench mean vs llama.cpp |"
+        head += " vs llama.cpp plain | HumanEval vs llama.cpp | Spec-Bench mean vs llama.cpp |"
         sep += "---:|---:|---:|"
-    out = [f"{host(report['machine'])}; run of {report['date'][:10]}. {prompt_set(report)} Target {m['target']} "
-           f"({m['weights']}), draft {m['draft']} ({m['draft_weights']}). From "
-           f"{link(folder / 'report.md', base, folder.relative_to(base).as_posix())}, rendered by "
+    out = [f"Host: {host(report['machine'])}; run of {report['date'][:10]}.",
+           prompt_set(report),
+           f"Target {m['target']} ({m['weights']}), draft {m['draft']} ({m['draft_weights']})"
+           + ("; llama.cpp plain decoding on the same GGUF file." if peer else "."),
+           f"Report: {link(folder / 'report.md', base, folder.relative_to(base).as_posix())}; rendered by "
            "`bench/readme_tables.py`.", "",
            head + " same tokens as plain |", sep + "---:|"]
     for r in report["summary"]:
