@@ -10,6 +10,9 @@ few tokens and benchmarks one prompt per dataset. Then:
   their flags must exist (tests/test_server*.py and the chat tests run them);
 - ``make``, ``pip`` and ``curl`` lines are skipped (set-up, and a request to a running server);
 - python blocks run in a fresh interpreter.
+
+Running needs the real model (``real``); parsing does not. One more test checks that README's
+results table and docs/results.md are what bench/readme_tables.py renders from docs/results/.
 """
 
 from __future__ import annotations
@@ -25,8 +28,6 @@ from pathlib import Path
 import pytest
 
 from verispec import hub
-
-pytestmark = pytest.mark.real
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOL = "smollm2-135m-instruct"
@@ -98,7 +99,7 @@ RUN = [c for c in verispec_commands() if c[1] not in NOT_RUN]
 PARSE = [c for c in verispec_commands() if c[1] in NOT_RUN]
 
 
-@pytest.fixture(scope="module", autouse=True)
+@pytest.fixture(scope="module")
 def installed() -> None:
     if not hub.is_installed(SMOL):
         pytest.fail(f"{SMOL} is not installed; run: make models")
@@ -111,8 +112,9 @@ def test_the_quick_use_section_has_what_this_test_checks() -> None:
     assert blocks("python"), "Quick use has no python block"
 
 
+@pytest.mark.real
 @pytest.mark.parametrize("argv", RUN, ids=_ids(RUN))
-def test_command_runs(argv: list[str], tmp_path: Path) -> None:
+def test_command_runs(argv: list[str], tmp_path: Path, installed: None) -> None:
     argv = smaller(argv)
     done = subprocess.run([sys.executable, "-m", "verispec.cli", *argv[1:]], cwd=tmp_path, env=env(),
                           capture_output=True, text=True, timeout=900)
@@ -136,10 +138,17 @@ def test_command_parses(argv: list[str]) -> None:
     assert args.command == argv[1]
 
 
+@pytest.mark.real
 @pytest.mark.parametrize("code", blocks("python"), ids=lambda c: c.splitlines()[0][:40])
-def test_python_block_runs(code: str, tmp_path: Path) -> None:
+def test_python_block_runs(code: str, tmp_path: Path, installed: None) -> None:
     code = re.sub(r"max_tokens=\d+", f"max_tokens={MAX_TOKENS}", small(code))
     done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env(), capture_output=True, text=True,
                           timeout=900)
     assert done.returncode == 0, f"the README's python block failed:\n{code}\n{done.stderr[-4000:]}"
     assert done.stdout.strip(), "the python block printed nothing"
+
+
+def test_the_results_are_rendered_from_the_reports() -> None:
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "readme_tables.py"), "--check"], cwd=ROOT, env=env(),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr + "\nrun: python bench/readme_tables.py"
