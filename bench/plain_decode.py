@@ -51,7 +51,7 @@ def main() -> None:
     ap.add_argument("--json", help="also write the figures here")
     args = ap.parse_args()
 
-    engine = Engine.from_pretrained(args.model, dtype=args.dtype, max_len=1024)
+    engine = Engine.from_pretrained(args.model, dtype=args.dtype, weights="dense", max_len=1024)  # as transformers
     params = SamplingParams(max_tokens=args.tokens, ignore_eos=True)
     ids = engine.encode(PROMPT, chat=True)
     engine.generate(ids, SamplingParams(max_tokens=4))  # warm-up

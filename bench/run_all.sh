@@ -11,9 +11,13 @@ OUT=${1:-docs/results}
 STEPS=${STEPS:-plain humaneval full advise two_process stability concurrency verify_cost kernels fused_paths int4 int4_long draft_window draft_cost load compile}
 V=.venv/bin/verispec
 PY=.venv/bin/python
-PAIR=(--model qwen2.5-coder-1.5b-instruct --draft qwen2.5-coder-0.5b-instruct --dtype bfloat16 --draft-weights int8)
+PAIR=(--model qwen2.5-coder-1.5b-instruct --draft qwen2.5-coder-0.5b-instruct --dtype bfloat16 --weights dense
+      --draft-weights int8)
 INT4_PAIR=(--model qwen2.5-coder-1.5b-instruct --draft qwen2.5-coder-0.5b-instruct --dtype bfloat16 --weights int4
            --draft-weights int4-all)
+# The speculation settings these figures were measured with, for whatever a method string leaves out
+# (fixed k, full draft head, whole prompt, no confidence stop), not verispec's current defaults.
+SPEC=(--k-policy fixed --draft-vocab 0 --draft-window 0 --confidence 0)
 # The retrieval drafter's datastore: this Python's standard library (code), built once outside the repo.
 STORE=${VERISPEC_HOME:-$HOME/.cache/verispec}/datastores/python-stdlib
 mkdir -p "$OUT"
@@ -27,10 +31,10 @@ for step in $STEPS; do
     plain)        # plain decoding of the bf16 target against transformers, and the memory-bandwidth roofline
       $PY bench/plain_decode.py --dtype bfloat16 --tokens 128 --json "$D/plain_decode.json" | tee "$D/plain_decode.md" ;;
     humaneval)    # bf16 target on code: first 20 HumanEval prompts, 128 new tokens, greedy
-      $V bench "${PAIR[@]}" --methods none,draft,draft:policy=cost,ngram,hybrid --dataset humaneval --n 20 \
+      $V bench "${PAIR[@]}" "${SPEC[@]}" --methods none,draft,draft:policy=cost,ngram,hybrid --dataset humaneval --n 20 \
         --max-tokens 128 -k 5 --no-progress --out "$D" ;;
     full)         # bf16 target on Spec-Bench (5 per category) + 20 HumanEval, transformers as peers
-      $V bench "${PAIR[@]}" --methods none,draft,draft:k=3,draft:policy=cost,ngram,hybrid \
+      $V bench "${PAIR[@]}" "${SPEC[@]}" --methods none,draft,draft:k=3,draft:policy=cost,ngram,hybrid \
         --dataset spec_bench,humaneval --per-category 5 --n 20 --seed 0 --max-tokens 48 -k 5 --peers hf \
         --no-progress --out "$D" ;;
     advise)       # measured costs and acceptance, predicted against measured speedup
@@ -44,7 +48,7 @@ for step in $STEPS; do
       $PY bench/concurrency.py --dtype bfloat16 --draft-weights int4-all --max-tokens 48 --concurrency 8,16 \
         --requests 32 --repeats 3 --once fixed --out "$D/8-16" ;;
     stability)    # odd inputs (context limits, markup, emoji, control characters), plain against speculative
-      $V bench "${PAIR[@]}" --methods draft,ngram --dataset humaneval --n 1 --max-tokens 16 --max-len 1024 \
+      $V bench "${PAIR[@]}" "${SPEC[@]}" --methods draft,ngram --dataset humaneval --n 1 --max-tokens 16 --max-len 1024 \
         --stability --no-progress --out "$D" ;;
     verify_cost)  # the whole target forward's t(M)/t(1) per weight format, with a plot
       $PY bench/verify_cost.py --formats dense,int8,int4 --reps 5 --decode-tokens 32 --out "$D" \
@@ -56,17 +60,17 @@ for step in $STEPS; do
     int4)         # int4 pair: every drafter and the cost policy, llama.cpp on the same GGUF files; 64 new tokens
       test -f "$STORE/meta.json" || $V datastore build "$($PY -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')"/*.py \
         -o "$STORE" --model qwen2.5-coder-1.5b-instruct
-      $V bench "${INT4_PAIR[@]}" --methods none,draft,draft:k=3,draft:policy=cost,draft:policy=cost,vocab=32768,ngram,hybrid,hybrid:policy=cost,hybrid:policy=cost,vocab=32768,retrieval:datastore="$STORE" \
+      $V bench "${INT4_PAIR[@]}" "${SPEC[@]}" --methods none,draft,draft:k=3,draft:policy=cost,draft:policy=cost,vocab=32768,ngram,hybrid,hybrid:policy=cost,hybrid:policy=cost,vocab=32768,retrieval:datastore="$STORE" \
         --dataset spec_bench,humaneval --per-category 3 --n 10 --seed 0 --max-tokens 64 -k 5 --peers llamacpp \
         --no-progress --out "$D" ;;
     int4_long)    # longer answers (256 new tokens, where the prefill weighs little): the best methods of the
                   # int4 step against llama.cpp plain; 3 repeats (median per prompt)
-      $V bench "${INT4_PAIR[@]}" --methods none,hybrid:policy=cost,vocab=32768,confidence=0.3,hybrid:policy=cost,vocab=32768,confidence=0.3,window=256 \
+      $V bench "${INT4_PAIR[@]}" "${SPEC[@]}" --methods none,hybrid:policy=cost,vocab=32768,confidence=0.3,hybrid:policy=cost,vocab=32768,confidence=0.3,window=256 \
         --dataset spec_bench,humaneval --per-category 3 --n 10 --seed 0 --max-tokens 256 -k 5 --repeats 3 \
         --peers llamacpp --peer-methods llamacpp-plain --no-progress --out "$D" ;;
     draft_window) # how much of a long prompt the draft reads (summaries, RAG) and what it costs on code
       H=hybrid:policy=cost,vocab=32768,confidence=0.3
-      $V bench "${INT4_PAIR[@]}" --methods none,$H,$H,window=64,$H,window=128,$H,window=256 \
+      $V bench "${INT4_PAIR[@]}" "${SPEC[@]}" --methods none,$H,$H,window=64,$H,window=128,$H,window=256 \
         --dataset spec_bench,humaneval --per-category 3 --seed 0 --categories rag,summarization --n 10 \
         --max-tokens 256 -k 5 --no-progress --out "$D" ;;
     draft_cost)   # the draft cost ratio c per draft weight format, with a bf16 and an int4 target

@@ -123,7 +123,9 @@ def _run(engine: Engine, prompts: list, params: SamplingParams, spec: SpecConfig
 
 def one_process(args: argparse.Namespace, params: SamplingParams, spec: SpecConfig) -> dict:
     torch.set_num_threads(args.threads)
-    engine = Engine.from_pretrained(args.model, args.draft, dtype=args.dtype, max_len=args.max_len, progress=False)
+    # Dense weights in both setups: the draft process below builds its model dense.
+    engine = Engine.from_pretrained(args.model, args.draft, dtype=args.dtype, max_len=args.max_len, progress=False,
+                                    weights="dense", draft_weights="dense")
     row = _run(engine, _prompts(engine, args.prompts), params, spec, None, args.reps)
     del engine
     gc.collect()
@@ -132,7 +134,7 @@ def one_process(args: argparse.Namespace, params: SamplingParams, spec: SpecConf
 
 def two_processes(args: argparse.Namespace, params: SamplingParams, spec: SpecConfig) -> dict:
     torch.set_num_threads(1)
-    engine = Engine.from_pretrained(args.model, dtype=args.dtype, max_len=args.max_len, progress=False)
+    engine = Engine.from_pretrained(args.model, dtype=args.dtype, max_len=args.max_len, progress=False, weights="dense")
     ctx = mp.get_context("spawn")
     here, there = ctx.Pipe()
     proc = ctx.Process(target=_draft_server, daemon=True,

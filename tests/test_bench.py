@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,7 @@ from verispec.bench.runner import markdown_table, plot_speedup, run_methods, sum
 from verispec.bench.stability import NULL_DRAFTER, run_suite
 from verispec.bench.stats import MethodStats, ratios_by_category, spec_bench_mean
 from verispec.cli import main
-from verispec.config import PLAIN, SpecConfig
+from verispec.config import DEFAULT_SPEC, PLAIN, SpecConfig
 from verispec.engine.engine import Engine
 from verispec.errors import VerispecError
 from verispec.sampling import SamplingParams
@@ -84,7 +85,12 @@ def test_method_strings_parse_into_spec_configs() -> None:
     m = parse_method("draft:k=3")
     assert (m.label, m.spec.method, m.spec.k, m.explicit_k) == ("draft:k=3", "draft", 3, True)
     assert parse_method("draft:policy=cost").spec.k_policy == "cost"
-    assert parse_method("draft", k=7, k_policy="heuristic").spec == SpecConfig("draft", 7, "heuristic")
+    # Options a string leaves out take the run's defaults: verispec's default speculation unless changed.
+    assert parse_method("draft").spec == replace(DEFAULT_SPEC, method="draft")
+    assert parse_method("draft", SpecConfig("hybrid", 7, "heuristic")).spec == SpecConfig("draft", 7, "heuristic")
+    # 0 turns the default's draft vocabulary, window and confidence off.
+    assert parse_method("draft:policy=fixed,vocab=0,window=0,confidence=0").spec == \
+        SpecConfig("draft", DEFAULT_SPEC.k, "fixed", confidence=0.0)
     assert parse_method("layerskip:layers=7").spec.layers == 7
     assert parse_method("retrieval:datastore=/data/store.vds").spec.datastore == "/data/store.vds"
     ng = parse_method("ngram:k=8,max=5,min=2").spec
@@ -255,10 +261,13 @@ def test_cli_end_to_end_greedy_with_peers_and_stability(pair: tuple[str, str], t
     assert set(by_cat["draft"]) == cats and by_cat["draft"]["code"] > 0
     assert report["peers"]["spec_bench_mean_vs_hf_plain"]["draft"] is None  # no Spec-Bench category ran
     assert "Tokens/s over hf-plain's, per category" in (out / "report.md").read_text()
+    # Methods that leave the policy out run the default one, the cost policy, as draft:policy=cost does.
+    policy = {m["label"]: m["spec"]["k_policy"] for m in report["methods"] if m["spec"]}
+    assert policy["draft"] == policy["draft:k=2"] == policy["draft:policy=cost"] == "cost"
     for r in report["summary"]:
         assert r["tokens_per_s"] > 0 and r["prompts"] == 3
         assert r["speedup"] is not None
-        if r["kind"] == "verispec" and "policy=cost" in r["method"] and not r["acceptance_by_position"]:
+        if r["kind"] == "verispec" and policy[r["method"]] == "cost" and not r["acceptance_by_position"]:
             # The cost policy may decide that these tiny models never pay to speculate: then it
             # decodes plainly, one token per step, and has no acceptance to report.
             assert r["mean_accepted_length"] == pytest.approx(1.0) and r["acceptance_rate"] is None
@@ -326,13 +335,14 @@ def test_cli_spec_bench_two_turns_sampled(pair: tuple[str, str], tmp_path: Path)
 
 def test_layerskip_and_hybrid_draft_memory(pair: tuple[str, str], tmp_path: Path) -> None:
     data = _write_jsonl(tmp_path / "p.jsonl", [{"prompt": "def add ( x , y ) : return x + y"}])
-    report = run_bench(BenchOptions(model=pair[0], draft=pair[1], methods="layerskip:layers=1,hybrid",
+    # Layer-skip at a fixed k: the cost policy cannot profile a drafter that shares the target's cache yet.
+    report = run_bench(BenchOptions(model=pair[0], draft=pair[1], methods="layerskip:layers=1,policy=fixed,hybrid",
                                     dataset=f"jsonl:{data}", max_tokens=8, dtype="float32", max_len=MAX_LEN,
                                     out=str(tmp_path / "out"), progress=False, plots=False, stability=True,
                                     stability_max_tokens=4))
     mem = {m["method"]: m for m in report["memory"]["methods"]}
     # Layer-skip drafts with the target's own layers and cache: nothing extra to count.
-    assert mem["layerskip:layers=1"]["draft_increment_bytes"] == 0
+    assert mem["layerskip:layers=1,policy=fixed"]["draft_increment_bytes"] == 0
     # The hybrid falls back to the draft model, whose weights and cache it holds.
     assert mem["hybrid"]["draft_model_bytes"] > 0 and mem["hybrid"]["draft_cache_bytes"] > 0
     assert all(c["exact_match"] == 1.0 for c in report["consistency"])

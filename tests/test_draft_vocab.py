@@ -18,6 +18,7 @@ from tiny import make_tiny
 
 from verispec import SamplingParams, SpecConfig, VerispecError
 from verispec.bench.methods import parse_method
+from verispec.config import DEFAULT_SPEC
 from verispec.drafters.hybrid import HybridDrafter
 from verispec.drafters.model import ModelDrafter
 from verispec.drafters.vocab import DraftVocab, linear_rows, prefix_linear, special_token_ids
@@ -279,13 +280,13 @@ def test_sampling_matches_the_target(vocab32):
 # -- bad input ---------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("value", [0, -16, 100, 8, True, 32.0, "32"])
+@pytest.mark.parametrize("value", [-16, 100, 8, True, 32.0, "32"])
 def test_bad_vocab_values(value):
     with pytest.raises(VerispecError, match="multiple of 16"):
         SpecConfig(method="draft", draft_vocab=value)
 
 
-@pytest.mark.parametrize("text", ["draft:vocab=100", "draft:vocab=0", "hybrid:vocab=-32"])
+@pytest.mark.parametrize("text", ["draft:vocab=100", "draft:vocab=8", "hybrid:vocab=-32"])
 def test_bad_method_option_values(text):
     with pytest.raises(VerispecError, match="multiple of 16"):
         parse_method(text)
@@ -323,7 +324,11 @@ def test_cli_takes_a_draft_vocab_and_refuses_bad_ones(capsys):
     from verispec.cli import _spec_from, build_parser, main
 
     base = ["generate", "--model", "m", "--draft", "d", "--prompt", "hi"]
-    assert _spec_from(build_parser().parse_args([*base, "--draft-vocab", "32768"])).draft_vocab == 32768
-    assert _spec_from(build_parser().parse_args(base)).draft_vocab is None
+    assert _spec_from(build_parser().parse_args([*base, "--draft-vocab", "1024"])).draft_vocab == 1024
+    # With a draft model the default speculation reduces the head; 0 keeps the full one.
+    assert _spec_from(build_parser().parse_args(base)).draft_vocab == DEFAULT_SPEC.draft_vocab is not None
+    assert _spec_from(build_parser().parse_args([*base, "--draft-vocab", "0"])).draft_vocab is None
+    assert SpecConfig(method="draft", draft_vocab=0).draft_vocab is None
+    assert parse_method("hybrid:vocab=0").spec.draft_vocab is None
     assert main([*base, "--draft-vocab", "100"]) == 2  # refused before any model is opened
     assert "multiple of 16" in capsys.readouterr().err

@@ -15,6 +15,7 @@ from tiny import make_tiny
 
 from verispec import SamplingParams, SpecConfig, VerispecError
 from verispec.bench.methods import parse_method
+from verispec.config import DEFAULT_SPEC
 from verispec.drafters.hybrid import HybridDrafter
 from verispec.drafters.model import ModelDrafter
 from verispec.drafters.window import SINK_TOKENS, DraftWindow
@@ -140,7 +141,7 @@ def test_sampling_matches_the_target(tmp_path):
     assert _model_drafter(engine.drafter(spec)).reads.skip == len(prompt) - 2 - SINK_TOKENS
 
 
-@pytest.mark.parametrize("value", [0, -8, True, 2.5, "8"])
+@pytest.mark.parametrize("value", [-8, True, 2.5, "8"])
 def test_bad_window_values(value):
     with pytest.raises(VerispecError, match="draft window"):
         SpecConfig(method="draft", draft_window=value)
@@ -152,9 +153,9 @@ def test_method_option_parses_and_refuses_bad_values():
     m = parse_method("hybrid:policy=cost,window=256")
     assert m.spec.draft_window == 256 and m.spec.method == "hybrid"
     assert parse_method("draft:draft_window=64").spec.draft_window == 64
-    for text in ("hybrid:window=0", "draft:window=-1"):
-        with pytest.raises(VerispecError, match="draft window"):
-            parse_method(text)
+    with pytest.raises(VerispecError, match="draft window"):
+        parse_method("draft:window=-1")
+    assert parse_method("hybrid:window=0").spec.draft_window is None  # 0: the whole prompt
     with pytest.raises(VerispecError, match="window must be int"):
         parse_method("draft:window=wide")
 
@@ -163,7 +164,12 @@ def test_cli_takes_a_draft_window_and_refuses_bad_ones(capsys):
     from verispec.cli import _spec_from, build_parser, main
 
     base = ["generate", "--model", "m", "--draft", "d", "--prompt", "hi"]
-    assert _spec_from(build_parser().parse_args([*base, "--draft-window", "256"])).draft_window == 256
-    assert _spec_from(build_parser().parse_args(base)).draft_window is None
-    assert main([*base, "--draft-window", "0"]) == 2  # refused before any model is opened
+    assert _spec_from(build_parser().parse_args([*base, "--draft-window", "64"])).draft_window == 64
+    # With a draft model the default speculation cuts long prompts; 0 lets the draft read all of them.
+    assert _spec_from(build_parser().parse_args(base)).draft_window == DEFAULT_SPEC.draft_window is not None
+    assert _spec_from(build_parser().parse_args([*base, "--draft-window", "0"])).draft_window is None
+    assert SpecConfig(method="draft", draft_window=0).draft_window is None
+    with pytest.raises(VerispecError, match="draft window"):
+        ModelDrafter(None, 8, window=0)  # below the config, None alone means off
+    assert main([*base, "--draft-window", "-1"]) == 2  # refused before any model is opened
     assert "draft window" in capsys.readouterr().err

@@ -188,8 +188,10 @@ def test_sampling_with_an_int4_target_is_exact(tmp_path):
 # -- GGUF: direct Q4_K conversion, int8 for the higher-precision tensors, and the cache ---------
 
 
-def write_gguf(path: Path, dim: int = 256, ffn: int = 512, vocab: int = 64, heads: int = 4, kv_heads: int = 2) -> None:
-    """A one-layer qwen2 GGUF with Q4_K q/k/gate/up, a Q8_0 v_proj and down_proj, float norms and embeddings."""
+def write_gguf(path: Path, dim: int = 256, ffn: int = 512, vocab: int = 64, heads: int = 4, kv_heads: int = 2,
+               quantized: bool = True) -> None:
+    """A one-layer qwen2 GGUF with Q4_K q/k/gate/up, a Q8_0 v_proj and down_proj, float norms and embeddings
+    (``quantized=False``: every tensor F32)."""
     rng = np.random.default_rng(0)
     hd = dim // heads
     w = gguf.GGUFWriter(str(path), "qwen2")
@@ -205,9 +207,13 @@ def write_gguf(path: Path, dim: int = 256, ffn: int = 512, vocab: int = 64, head
         w.add_tensor(name, (rng.standard_normal(shape) * 0.1 + (1.0 if "norm" in name else 0.0)).astype(np.float32))
 
     def q4k(name, rows, cols, seed):
+        if not quantized:
+            return f32(name, rows, cols)
         w.add_tensor(name, random_q4_k(rows, cols, seed), raw_dtype=Q4_K)
 
     def q8(name, rows, cols):
+        if not quantized:
+            return f32(name, rows, cols)
         data = gguf.quants.quantize((rng.standard_normal((rows, cols)) * 0.05).astype(np.float32),
                                     gguf.GGMLQuantizationType.Q8_0)
         w.add_tensor(name, data, raw_dtype=gguf.GGMLQuantizationType.Q8_0)

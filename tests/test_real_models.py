@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import json
 import os
 
 import pytest
@@ -10,7 +11,8 @@ import torch
 
 from verispec import Engine, SamplingParams, SpecConfig, VerispecError, hub
 from verispec.bench import datasets
-from verispec.config import PLAIN
+from verispec.cli import main
+from verispec.config import DEFAULT_SPEC, PLAIN
 from verispec.engine.batch import BatchEngine
 from verispec.engine.batch_policy import BatchCostModel, CostCurve
 
@@ -43,7 +45,9 @@ def _require_installed(*names: str) -> None:
 @pytest.fixture(scope="module")
 def pair() -> Engine:
     _require_installed(TARGET, DRAFT)
-    engine = Engine.from_pretrained(TARGET, draft=DRAFT, dtype="float32", max_len=1024, progress=False)
+    # Dense weights: the checks against transformers compare with the GGUF's own dequantized floats.
+    engine = Engine.from_pretrained(TARGET, draft=DRAFT, dtype="float32", weights="dense", draft_weights="dense",
+                                    max_len=1024, progress=False)
     yield engine
     del engine
     gc.collect()
@@ -83,7 +87,7 @@ def test_target_greedy_matches_transformers(pair: Engine) -> None:
 def test_smollm2_llama_gguf_matches_transformers() -> None:
     """SmolLM2 is a llama-architecture GGUF: checks the q/k un-permutation and tied embeddings."""
     _require_installed(SMOL)
-    engine = Engine.from_pretrained(SMOL, dtype="float32", max_len=512, progress=False)
+    engine = Engine.from_pretrained(SMOL, dtype="float32", weights="dense", max_len=512, progress=False)
     params = SamplingParams(max_tokens=24)
     ours = engine.generate(PROMPTS, params)
     theirs = _hf_greedy(SMOL, [r.prompt_token_ids for r in ours], params.max_tokens, sorted(engine.eos_ids))
@@ -91,13 +95,8 @@ def test_smollm2_llama_gguf_matches_transformers() -> None:
 
 
 def _spec_bench_prompts() -> list[datasets.BenchPrompt]:
-    path = datasets.default_spec_bench()
-    if not path.is_file():
-        if os.environ.get("CI"):
-            pytest.fail(f"Spec-Bench data missing at {path}")
-        pytest.skip(f"Spec-Bench data not found at {path} (set VERISPEC_SPEC_BENCH)")
     cats = ["mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag"]
-    return datasets.spec_bench(path, per_category=1, seed=1, categories=cats)
+    return datasets.spec_bench(per_category=1, seed=1, categories=cats)  # the packaged questions
 
 
 def test_speculative_greedy_equals_plain_on_real_pair(pair: Engine) -> None:
@@ -155,3 +154,20 @@ def test_real_pair_tokenizers_agree_and_mismatch_is_refused(pair: Engine) -> Non
     _require_installed(SMOL)
     with pytest.raises(VerispecError, match="differ"):
         Engine.from_pretrained(TARGET, draft=SMOL, dtype="float32", max_len=64, progress=False)
+
+
+def test_generate_json_reports_the_default_formats_of_the_real_models(capsys: pytest.CaptureFixture[str]) -> None:
+    """Without --weights the Q4_K_M target runs int4; with --draft auto its partner drafts in int4-all."""
+    _require_installed(TARGET, DRAFT)
+    base = ["generate", "--model", TARGET, "--prompt", "def add(a, b):", "--max-tokens", "2", "--max-len", "256",
+            "--json"]
+    assert main(base) == 0
+    c = json.loads(capsys.readouterr().out)["config"]
+    assert (c["model"], c["weights"], c["draft"], c["draft_weights"], c["method"]) == (TARGET, "int4", None, None,
+                                                                                     "none")
+    assert main([*base, "--draft", "auto"]) == 0
+    c = json.loads(capsys.readouterr().out)["config"]
+    assert (c["draft"], c["weights"], c["draft_weights"]) == (DRAFT, "int4", "int4-all")
+    assert (c["method"], c["k_policy"], c["draft_vocab"]) == (DEFAULT_SPEC.method, DEFAULT_SPEC.k_policy,
+                                                              DEFAULT_SPEC.draft_vocab)
+    assert c["kernels"] in ("verispec", "stock", "mixed") and c["dtype"] in ("bfloat16", "float32")

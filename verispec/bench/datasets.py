@@ -27,12 +27,16 @@ class BenchPrompt:
     followups: tuple[str, ...] = ()
 
 
+# Spec-Bench's question.jsonl, shipped inside the package (provenance and terms: data/SOURCES.md).
+PACKAGED_SPEC_BENCH = Path(__file__).resolve().parent / "data" / "spec_bench.jsonl"
+
+
 def default_spec_bench() -> Path:
-    """``$VERISPEC_SPEC_BENCH`` or ``../shared/data/spec_bench/question.jsonl`` beside the checkout."""
+    """``$VERISPEC_SPEC_BENCH`` if set, else the Spec-Bench questions packaged with verispec (480 rows)."""
     env = os.environ.get("VERISPEC_SPEC_BENCH")
     if env:
-        return Path(env)
-    return Path(__file__).resolve().parents[3] / "shared" / "data" / "spec_bench" / "question.jsonl"
+        return Path(env).expanduser()
+    return PACKAGED_SPEC_BENCH
 
 
 def _read_jsonl(path: Path) -> list[dict]:

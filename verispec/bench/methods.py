@@ -2,7 +2,13 @@
 
 Examples: ``none``, ``draft``, ``draft:k=3``, ``draft:policy=cost``, ``layerskip:layers=7``,
 ``retrieval:datastore=store.vds``, ``ngram:k=8,max=5``, ``draft:vocab=32768`` (a reduced draft head),
-``hybrid:window=256`` (the draft reads a long prompt's last 256 tokens).
+``hybrid:window=256`` (the draft reads a long prompt's last 256 tokens), ``hybrid:vocab=0,window=0``
+(the full head and the whole prompt).
+An option a string leaves out takes the run's defaults: :data:`~verispec.config.DEFAULT_SPEC` (what
+``verispec generate`` runs), as ``bench``'s -k, --k-policy, --confidence, --draft-vocab and
+--draft-window change it; so ``draft`` is the draft model under the default cost policy, and
+``draft:policy=fixed,vocab=0,window=0,confidence=0`` the plain fixed-k draft model. 0 turns off
+``vocab``, ``window`` and ``confidence``.
 The label of a method is the string itself, so tables and plots show exactly what was asked for.
 """
 
@@ -11,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-from verispec.config import METHODS, PLAIN, SpecConfig
+from verispec.config import DEFAULT_SPEC, METHODS, PLAIN, SpecConfig
 from verispec.errors import VerispecError
 
 BASELINE = "plain"
@@ -57,8 +63,8 @@ class Method:
         return name + (":" + ",".join(rest) if rest else "")
 
 
-def parse_method(text: str, k: int = 5, k_policy: str = "fixed") -> Method:
-    """Parse ``name[:key=value,...]``; ``k`` and ``k_policy`` are the defaults for options left out."""
+def parse_method(text: str, defaults: SpecConfig = DEFAULT_SPEC) -> Method:
+    """Parse ``name[:key=value,...]``; options left out take ``defaults``' values (its method aside)."""
     text = text.strip()
     name, _, opts = text.partition(":")
     name = name.strip()
@@ -68,7 +74,7 @@ def parse_method(text: str, k: int = 5, k_policy: str = "fixed") -> Method:
         return Method(BASELINE, PLAIN)
     if name not in METHODS:
         raise VerispecError(f"unknown method '{name}' in '{text}' (choose from {', '.join(METHODS)})")
-    values: dict[str, Any] = {"method": name, "k": k, "k_policy": k_policy}
+    values: dict[str, Any] = {"method": name}
     explicit_k = False
     for opt in filter(None, (o.strip() for o in opts.split(","))):
         key, sep, raw = opt.partition("=")
@@ -83,7 +89,7 @@ def parse_method(text: str, k: int = 5, k_policy: str = "fixed") -> Method:
         except ValueError:
             raise VerispecError(f"method '{text}': {key} must be {kind.__name__} (got '{raw}')") from None
         explicit_k |= field == "k"
-    spec = SpecConfig(**values)  # validates ranges and names
+    spec = replace(defaults, **values)  # validates ranges and names
     if spec.k == 0:
         raise VerispecError(f"method '{text}': k=0 is plain decoding; use 'none'")
     return Method(text, spec, explicit_k)
@@ -108,11 +114,11 @@ def split_methods(text: str) -> list[str]:
     return out
 
 
-def parse_methods(text: str, k: int = 5, k_policy: str = "fixed") -> list[Method]:
-    """The baseline first, then each distinct method of the comma-separated ``text``."""
+def parse_methods(text: str, defaults: SpecConfig = DEFAULT_SPEC) -> list[Method]:
+    """The baseline first, then each distinct method of the comma-separated ``text`` (see :func:`parse_method`)."""
     methods = [Method(BASELINE, PLAIN)]
     for piece in split_methods(text):
-        m = parse_method(piece, k, k_policy)
+        m = parse_method(piece, defaults)
         if m.label not in {x.label for x in methods} and not m.is_baseline:
             methods.append(m)
     return methods

@@ -39,7 +39,7 @@ from verispec.engine.engine import Engine, GenerationResult, Prompt
 from verispec.engine.metrics import Metrics
 from verispec.engine.policy import Acceptance, AcceptanceSpread, KPolicy, make_policy
 from verispec.engine.scheduler import Scheduler
-from verispec.engine.stopping import append_tokens, final_text, k_cap
+from verispec.engine.stopping import StepTokens, append_tokens, final_text, k_cap
 from verispec.errors import VerispecError
 from verispec.log import logger
 from verispec.sampling import SamplingParams
@@ -328,7 +328,8 @@ class BatchEngine:
                chat: bool = False, on_tokens: OnTokens | None = None) -> RequestHandle:
         """Queue one request; returns its handle at once.
 
-        ``on_tokens(tokens)`` is called (on the stepping thread) with the tokens each step adds;
+        ``on_tokens(tokens)`` is called (on the stepping thread) with the tokens each step adds (a
+        :class:`~verispec.engine.stopping.StepTokens`: ``tokens.drafted`` of them accepted drafts);
         returning False cancels the request. Raises :class:`VerispecError` at once for a request
         that can never run: a prompt + max_tokens beyond the context or KV budget, stop strings
         without a tokenizer, a method the batch cannot serve.
@@ -598,7 +599,7 @@ class BatchEngine:
             n_before = len(req.out)
             finish = append_tokens(report.new_tokens[i], row.seq, req.out, req.params, self.engine.eos_ids,
                                    self.engine.decode)
-            chunk = req.out[n_before:]
+            chunk = StepTokens.of(report.new_tokens[i], req.out, n_before)
             if chunk:
                 req.handle._push(chunk)
             if req.on_tokens is not None and req.on_tokens(chunk) is False and finish is None:

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from verispec import hub
 from verispec.config import PLAIN, EngineConfig, SpecConfig, resolve_dtype
 from verispec.drafters import make_drafter
 from verispec.drafters.base import Drafter
@@ -17,11 +18,12 @@ from verispec.engine.compiled import cache_slack, compile_model
 from verispec.engine.metrics import Metrics, seconds_of
 from verispec.engine.policy import Acceptance, AnswerLengths, ContextCost, CostModel, make_policy, per_position_s
 from verispec.engine.step import speculative_step
-from verispec.engine.stopping import append_tokens, final_text, hit_stop, k_cap
+from verispec.engine.stopping import StepTokens, append_tokens, final_text, hit_stop, k_cap
 from verispec.errors import VerispecError
 from verispec.log import logger
+from verispec.models.linear import matmul_kernels
 from verispec.models.llama import Transformer
-from verispec.models.loader import build_model, load_tokenizer, open_source
+from verispec.models.loader import build_model, load_tokenizer, open_source, resolve_weights
 from verispec.sampling import SamplingParams
 
 Prompt = str | list[int] | list[dict[str, str]]
@@ -97,12 +99,21 @@ class Engine:
     def from_pretrained(cls, model: str, draft: str | None = None, **kwargs: Any) -> Engine:
         """Load ``model`` (registry name, GGUF file or Hugging Face folder) and optionally a ``draft``.
 
-        Keyword arguments are :class:`EngineConfig` fields (dtype, max_len, weights, ...).
+        ``draft="auto"`` is the registry's draft partner of ``model`` when it is installed; without
+        one the engine loads no draft model and says so in one logged line. Keyword arguments are
+        :class:`EngineConfig` fields (dtype, max_len, weights, ...); the engine's ``config`` holds the
+        resolved draft and weight formats (``"auto"`` resolved by :func:`resolve_weights`).
         """
         config = EngineConfig(model=model, draft=draft, **kwargs)
+        draft, why = hub.resolve_draft(model, draft)
+        if why:
+            logger.warning(why)
         src = open_source(model)
         tokenizer = load_tokenizer(src)
         dsrc = open_source(draft) if draft is not None else None
+        config = replace(config, draft=draft, weights=resolve_weights(src, config.weights, tp=config.tp),
+                         draft_weights=config.draft_weights if dsrc is None else
+                         resolve_weights(dsrc, config.draft_weights, draft=True))
         draft_tok = load_tokenizer(dsrc) if dsrc is not None else None
         if dsrc is not None:  # refuse a mismatched pair before spending time on weights
             check_tokenizers_match(tokenizer, draft_tok, src.args.vocab_size, dsrc.args.vocab_size)
@@ -118,8 +129,27 @@ class Engine:
             ddtype = resolve_dtype(config.draft_dtype or config.dtype, config.draft_device)
             draft_model = build_model(dsrc, ddtype, config.draft_weights, config.progress,
                                       kernels=config.kernels).to(config.draft_device)
-        logger.info("loaded %s (%s)%s", src.path.name, dtype, f" with draft {draft}" if draft else "")
+        logger.info("loaded %s (%s, %s)%s", src.path.name, dtype, config.weights,
+                    f" with draft {draft} ({config.draft_weights})" if draft else "")
         return cls(config, target, tokenizer, src.eos_token_ids, draft_model, draft_tok)
+
+    def describe(self, spec: SpecConfig | None = None) -> dict[str, Any]:
+        """The configuration a request with ``spec`` (None: plain decoding) runs, every value resolved.
+
+        Models and their weight formats as loaded (``draft`` and ``draft_weights`` None without a
+        draft model), the target's compute dtype, the speculation settings (``confidence`` is the
+        threshold in force, 0 when off; ``draft_vocab`` / ``draft_window`` None when off) and
+        ``kernels``: which matmuls the projections run, ``"verispec"`` (:mod:`verispec.kernels`),
+        ``"stock"`` (PyTorch's) or ``"mixed"``.
+        """
+        spec = spec or PLAIN
+        has_draft = self.draft is not None
+        return {"model": self.config.model, "draft": self.config.draft if has_draft else None,
+                "weights": self.config.weights, "draft_weights": self.config.draft_weights if has_draft else None,
+                "dtype": str(self.target.dtype).removeprefix("torch."), "method": spec.method,
+                "k_policy": spec.k_policy, "k": spec.k, "confidence": spec.min_confidence,
+                "draft_vocab": spec.draft_vocab, "draft_window": spec.draft_window,
+                "kernels": matmul_kernels(self.target, self.draft)}
 
     # -- drafters -------------------------------------------------------------------------
 
@@ -260,6 +290,8 @@ class Engine:
 
         ``on_tokens(i, tokens)`` is called after every step with the tokens prompt ``i`` just
         gained (streaming); returning False cancels that request (finish reason "cancelled").
+        ``tokens`` is a :class:`~verispec.engine.stopping.StepTokens`: a list whose ``drafted``
+        attribute counts its leading tokens that were accepted drafts.
         """
         params = params or SamplingParams()
         spec = spec or PLAIN
@@ -322,7 +354,7 @@ class Engine:
                 m.ttft_s = time.perf_counter() - t0
             n_before = len(out)
             finish = append_tokens(new, seq, out, params, self.eos_ids, self.decode)
-            if on_tokens is not None and on_tokens(out[n_before:]) is False and finish is None:
+            if on_tokens is not None and on_tokens(StepTokens.of(new, out, n_before)) is False and finish is None:
                 finish = "cancelled"
         m.generated_tokens = len(out)
         m.total_s = time.perf_counter() - t0

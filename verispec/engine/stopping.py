@@ -7,11 +7,36 @@ stopped. Keeping this in one place is what lets batched and single-request outpu
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterable, Sequence
 
 from verispec.sampling import SamplingParams
 
 Decode = Callable[[list[int]], str | None]
+
+
+class StepTokens(list[int]):
+    """The tokens one step added to an output, as ``on_tokens`` callbacks receive them.
+
+    A plain list of token ids that also says where they came from: the first ``drafted`` are the
+    drafter's proposals the target accepted; the rest (none or one) is the target's own token, the
+    bonus after a fully accepted draft or the correction of the first rejected one. A stop
+    condition may cut the step anywhere, so a cut chunk can consist of accepted drafts only.
+    """
+
+    def __init__(self, tokens: Iterable[int] = (), drafted: int = 0) -> None:
+        super().__init__(tokens)
+        if not 0 <= drafted <= len(self):
+            raise ValueError(f"drafted must be in [0, {len(self)}], got {drafted}")
+        self.drafted = drafted
+
+    @classmethod
+    def of(cls, new: Sequence[int], out: list[int], n_before: int) -> StepTokens:
+        """What a step's ``new`` tokens (accepted drafts, then the target's token) added to ``out``.
+
+        ``out`` held ``n_before`` tokens before :func:`append_tokens` appended a prefix of ``new``.
+        """
+        kept = out[n_before:]
+        return cls(kept, min(len(kept), len(new) - 1))
 
 
 def k_cap(k: int, params: SamplingParams, n_out: int, room: int) -> int:

@@ -32,6 +32,8 @@ from verispec.log import logger
 # "int4-all": int4 for every projection, even GGUF tensors stored with more bits (a draft model's:
 # its logits only rank candidates the target verifies, and its step time is the bytes it reads).
 WEIGHT_FORMATS = ("dense", "int8", "int4", "int4-all")
+# What a user may ask for: a format, or "auto" (the source's own precision, see loader.resolve_weights).
+WEIGHT_CHOICES = ("auto", *WEIGHT_FORMATS)
 INT4_GROUP = 32
 
 # Tokens per row from which the fast layers (int4, int8 and dense bf16 with verispec's kernels) run
@@ -597,6 +599,14 @@ class Int4Linear(nn.Module):
             nibbles = (codes[:, ::2] << 4 | codes[:, 1::2]).contiguous()
             self.qweight = torch._convert_weight_to_int4pack(nibbles, tiles)
         return self
+
+
+def matmul_kernels(*models: nn.Module | None) -> str:
+    """Which matmuls the projections of ``models`` (None entries skipped) run: ``"verispec"`` when every
+    one runs :mod:`verispec.kernels`, ``"stock"`` when none does (PyTorch's), else ``"mixed"``."""
+    fast = {bool(m.fast) for model in models if model is not None for m in model.modules()
+            if isinstance(m, DenseLinear | Int8Linear | Int4Linear)}
+    return "mixed" if len(fast) > 1 else "verispec" if fast == {True} else "stock"
 
 
 def make_linear(weight: torch.Tensor | QuantizedTensor | Int4Weight | Int8Weight, bias: torch.Tensor | None,

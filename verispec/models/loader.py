@@ -30,6 +30,7 @@ INT4_VERSION = 2  # bump when the int4 conversion or its cache layout changes (2
 # GGUF types with more than ~4.5 bits a weight: under ``int4`` these go to int8 instead, so the
 # tensors llama.cpp chose to keep more precise (Q4_K_M's Q6_K ffn_down/attn_v/output) stay so.
 _INT8_TYPES = {"Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0", "Q8_1", "Q8_K"}
+_FLOAT_TYPES = {"F32", "F16", "BF16", "F64"}  # GGUF tensor types that are not quantized
 _FUSED = [("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj")]
 QuantizedWeight = Int4Weight | Int8Weight  # what get_int4 returns for a projection (or a float tensor)
 _Q4_K_BLOCK = 144  # bytes: fp16 d, fp16 dmin, 12 bytes of 6-bit scales/mins, 128 bytes of 4-bit codes
@@ -63,6 +64,7 @@ class ModelSource:
     _get: Any = None
 
     _get_int4: Any = None
+    quantized: bool = False  # a GGUF whose projections are stored quantized (Q4_K, Q6_K, Q8_0, ...)
 
     def get(self, name: str) -> torch.Tensor | None:
         return self._get(name)
@@ -94,8 +96,8 @@ def open_gguf(path: Path) -> ModelSource:
     the architecture is cached beside the converted weights and the file itself is only parsed
     when a tensor is actually read (never, once the converted weights are cached)."""
     header = _header_file(path)
-    if header.is_file():
-        info = json.loads(header.read_text())
+    info = json.loads(header.read_text()) if header.is_file() else {}
+    if "quantized" in info:  # a header cached before tensor types were recorded is parsed again
         parsed: list[ModelSource] = []
 
         def lazy(attr: str) -> Any:
@@ -106,12 +108,12 @@ def open_gguf(path: Path) -> ModelSource:
             return call
 
         return ModelSource(path, ModelArgs(**info["args"]), info["tensor_names"], set(info["eos_token_ids"]),
-                           lazy("get"), lazy("get_int4"))
+                           lazy("get"), lazy("get_int4"), bool(info["quantized"]))
     src = _parse_gguf(path)
     try:
         header.parent.mkdir(parents=True, exist_ok=True)
         header.write_text(json.dumps({"args": asdict(src.args), "tensor_names": src.tensor_names,
-                                      "eos_token_ids": sorted(src.eos_token_ids)}))
+                                      "eos_token_ids": sorted(src.eos_token_ids), "quantized": src.quantized}))
     except OSError as e:
         logger.warning("could not cache the GGUF header at %s: %s", header, e)
     return src
@@ -199,7 +201,9 @@ def _parse_gguf(path: Path) -> ModelSource:
 
     eos_id = _gguf_field(reader, "tokenizer.ggml.eos_token_id")
     hf_names = [n for n in (gguf_to_hf_name(t) for t in tensors) if n is not None]
-    return ModelSource(path, args, hf_names, set() if eos_id is None else {int(eos_id)}, get, get_int4)
+    quantized = any(tensors[hf_to_gguf_name(n)].tensor_type.name not in _FLOAT_TYPES
+                    for n in hf_names if _is_projection(n) and n != "lm_head.weight")
+    return ModelSource(path, args, hf_names, set() if eos_id is None else {int(eos_id)}, get, get_int4, quantized)
 
 
 def _is_projection(name: str) -> bool:
@@ -267,7 +271,8 @@ def converted(src: ModelSource, dtype: torch.dtype, progress: bool = True) -> Mo
         os.replace(tmp, folder / "model.safetensors")
         del tensors
     cached = open_safetensors(folder, src.args)
-    return ModelSource(src.path, src.args, cached.tensor_names, src.eos_token_ids, cached._get)
+    return ModelSource(src.path, src.args, cached.tensor_names, src.eos_token_ids, cached._get,
+                       quantized=src.quantized)
 
 
 def converted_int4(src: ModelSource, dtype: torch.dtype, progress: bool = True, layout: str = "cpu",
@@ -332,7 +337,7 @@ def converted_int4(src: ModelSource, dtype: torch.dtype, progress: bool = True, 
             return Int8Weight(get(name + ".int8_q"), get(name + ".int8_scale"), int8_layout)
         return get(name)
 
-    return ModelSource(src.path, src.args, src.tensor_names, src.eos_token_ids, get, get_int4)
+    return ModelSource(src.path, src.args, src.tensor_names, src.eos_token_ids, get, get_int4, src.quantized)
 
 
 def open_hf_folder(path: Path) -> ModelSource:
@@ -381,6 +386,22 @@ def open_source(name_or_path: str | Path) -> ModelSource:
     if path.suffix != ".gguf":
         raise VerispecError(f"{path}: expected a .gguf file or a Hugging Face model folder")
     return open_gguf(path)
+
+
+def resolve_weights(src: ModelSource, requested: str, draft: bool = False, tp: int = 1) -> str:
+    """The weight format a model loads as: ``requested`` itself, or for ``"auto"`` its source's own precision.
+
+    A GGUF whose projections are quantized runs ``int4`` (Q4_K blocks as they are, more precise
+    types such as Q6_K/Q8_0 as int8, anything else requantized to int4), or as a draft model
+    ``int4-all`` (every projection in 4 bits: the cheapest draft tokens). A GGUF of F16/BF16/F32
+    tensors and a Hugging Face folder run ``dense``, as does a target sharded by tensor
+    parallelism (``tp > 1`` splits dense weights only).
+    """
+    if requested != "auto":
+        return requested
+    if not src.quantized or (tp > 1 and not draft):
+        return "dense"
+    return "int4-all" if draft else "int4"
 
 
 def build_model(src: ModelSource, dtype: torch.dtype, weight_format: str = "dense", progress: bool = True,

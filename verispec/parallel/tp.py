@@ -242,7 +242,7 @@ def tp_engine(model: str, draft: str | None = None, **kwargs: Any) -> Engine | N
     """
     from verispec.config import EngineConfig, resolve_dtype
     from verispec.engine.engine import Engine
-    from verispec.models.loader import build_model, open_source
+    from verispec.models.loader import build_model, open_source, resolve_weights
 
     device = kwargs.get("target_device") or kwargs.get("device") or "cpu"
     if device == "cuda":
@@ -253,8 +253,9 @@ def tp_engine(model: str, draft: str | None = None, **kwargs: Any) -> Engine | N
     if rank == 0:
         return Engine.from_pretrained(model, draft, **kwargs)
     config = EngineConfig(model=model, draft=draft, **kwargs)
-    target = build_model(open_source(model), resolve_dtype(config.dtype, config.target_device), config.weights,
-                         progress=False).to(config.target_device)
+    src = open_source(model)
+    target = build_model(src, resolve_dtype(config.dtype, config.target_device),
+                         resolve_weights(src, config.weights, tp=world), progress=False).to(config.target_device)
     shard_transformer(target, rank, world)
     n = follow(target)
     logger.info("rank %d: followed %d forwards", rank, n)

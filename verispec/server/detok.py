@@ -62,6 +62,11 @@ class StreamText:
         self._text = ""
         self._sent = 0
 
+    @property
+    def decoded(self) -> int:
+        """Characters of stable text so far, sent or still held back: where the next push's text starts."""
+        return len(self._text)
+
     def push(self, token_ids: list[int]) -> str:
         """Add a step's tokens; return the text that can be sent now."""
         self._text += self._detok.push(token_ids)
