@@ -1,4 +1,4 @@
-"""Eager vs ``--compile`` on the real pair, side by side in one run (issue 5).
+"""Eager vs ``--compile`` on the real pair, side by side in one run.
 
 For each mode the engine is built (the compiled one warms up its m buckets first: that time is
 reported separately), then plain decoding and fixed-k speculation run on the same prompts.
