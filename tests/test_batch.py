@@ -14,6 +14,7 @@ import threading
 from dataclasses import replace
 
 import pytest
+import torch
 from drafters_common import build_tok_model
 
 from verispec import Engine, EngineConfig, SamplingParams, SpecConfig, VerispecError
@@ -706,3 +707,32 @@ def test_text_and_stop_strings_match_engine(tmp_path):
                                                            chat=True)
     assert [(r.token_ids, r.text, r.finish_reason) for r in got] == \
         [(r.token_ids, r.text, r.finish_reason) for r in ref]
+
+
+# -- wide steps and the cost policy's profile -----------------------------------------------------
+
+
+def test_a_65_wide_forward_matches_one_token_at_a_time(engine):
+    # k = 64 verifies 65 tokens per row at once: past SMALL_M, through whatever attention this CPU runs.
+    target = engine.target
+    rows = [[(7 * i + 3 + r) % target.args.vocab_size for i in range(70)] for r in range(2)]
+    tokens = torch.tensor(rows)
+    wide_cache, step_cache = target.new_cache(2, 80), target.new_cache(2, 80)
+    pos = torch.arange(70).expand(2, -1)
+    target(tokens[:, :5], pos[:, :5], wide_cache)
+    wide = target(tokens[:, 5:], pos[:, 5:], wide_cache)
+    assert wide.shape[:2] == (2, 65)
+    one = torch.stack([target(tokens[:, i:i + 1], pos[:, i:i + 1], step_cache)[:, 0] for i in range(70)], dim=1)
+    torch.testing.assert_close(wide, one[:, 5:], atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="shape"):  # 64 tokens at 65 positions: refused, not misread
+        target(tokens[:, 5:69], pos[:, 5:], wide_cache)
+
+
+def test_k_64_matches_plain_in_both_engines(engine):
+    spec = SpecConfig(method="draft", k=64, k_policy="fixed")
+    params = SamplingParams(max_tokens=90, ignore_eos=True)
+    plain = [engine.generate(p, params)[0].token_ids for p in PROMPTS[:2]]
+    assert [engine.generate(p, params, spec)[0].token_ids for p in PROMPTS[:2]] == plain
+    be = BatchEngine(engine, max_batch=2)
+    assert [r.token_ids for r in be.generate_batch(PROMPTS[:2], params, spec)] == plain
+    assert max(be.stats.width_steps) == 65
