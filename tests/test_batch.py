@@ -736,3 +736,47 @@ def test_k_64_matches_plain_in_both_engines(engine):
     be = BatchEngine(engine, max_batch=2)
     assert [r.token_ids for r in be.generate_batch(PROMPTS[:2], params, spec)] == plain
     assert max(be.stats.width_steps) == 65
+
+
+def test_the_cost_policy_is_never_profiled_for_a_request_s_k(engine, monkeypatch):
+    import verispec.engine.batch as batch_module
+    from verispec.engine.policy import PROFILE_K
+
+    profiled = []
+    original = batch_module.BatchEngine.profile
+
+    def spy(self, k_max=PROFILE_K, context=64):
+        profiled.append(k_max)
+        return original(self, k_max, context)
+
+    monkeypatch.setattr(batch_module.BatchEngine, "profile", spy)
+    be = BatchEngine(engine, max_batch=2)
+    wide = SpecConfig(method="draft", k=40, k_policy="cost")
+    params = SamplingParams(max_tokens=60, ignore_eos=True)
+    out = be.generate_batch(PROMPTS[:2], params, wide)
+    assert profiled == [PROFILE_K]  # the engine's own width: a k = 40 request did not size it
+    assert [r.token_ids for r in out] == [engine.generate(p, params)[0].token_ids for p in PROMPTS[:2]]
+    # Profiling past the context it runs at (widths above 64 at a 16-token context) is fine too.
+    assert len(be.profile(k_max=70, context=16).target.points) > 0
+
+
+def test_the_one_request_cost_model_is_profiled_once(engine, monkeypatch):
+    from verispec.engine.policy import PROFILE_K
+
+    eng = make_engine_like(engine)
+    calls = []
+    original = eng.profile
+    monkeypatch.setattr(eng, "profile", lambda *a, **kw: calls.append(a[1]) or original(*a, **kw))
+    small, large = SpecConfig(method="draft", k=3), SpecConfig(method="draft", k=20)
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    plain = eng.generate(PROMPTS[1], params)[0].token_ids
+    assert eng.generate(PROMPTS[1], params, small)[0].token_ids == plain
+    assert eng.generate(PROMPTS[1], params, large)[0].token_ids == plain  # k = 20: priced, not re-profiled
+    assert calls == [PROFILE_K]
+    costs = eng.cost_model(large, eng.drafter(large))
+    assert len(costs.verify_s) == PROFILE_K + 1 and costs.score_s(21) >= costs.score_s(PROFILE_K + 1)
+
+
+def make_engine_like(engine: Engine) -> Engine:
+    """A fresh engine over the same models (its own caches and cost models)."""
+    return Engine(engine.config, engine.target, None, engine.eos_ids, draft=engine.draft)

@@ -37,7 +37,7 @@ from verispec.engine.batch_policy import BatchCostModel, BatchPolicy, RowPlan, p
 from verispec.engine.batch_step import BatchStats, Row, batched_step
 from verispec.engine.engine import Engine, GenerationResult, Prompt
 from verispec.engine.metrics import Metrics
-from verispec.engine.policy import Acceptance, AcceptanceSpread, KPolicy, make_policy
+from verispec.engine.policy import PROFILE_K, Acceptance, AcceptanceSpread, KPolicy, make_policy
 from verispec.engine.scheduler import Scheduler
 from verispec.engine.stopping import append_tokens, final_text, k_cap
 from verispec.errors import VerispecError
@@ -225,7 +225,8 @@ class BatchEngine:
     caps the tokens reserved by running requests (default: slots x max_len). ``prefill_chunk``
     bounds the prompt tokens prefilled per step, so a long prompt delays running rows by at most
     one chunk. ``costs`` gives the concurrency-aware policy a cost model (default: profiled on
-    first use, see :meth:`profile`).
+    first use for k up to :data:`~verispec.engine.policy.PROFILE_K`, see :meth:`profile`; a server
+    profiles before it serves, for its largest k).
     """
 
     def __init__(self, engine: Engine, max_batch: int = 8, max_len: int | None = None,
@@ -428,8 +429,12 @@ class BatchEngine:
                 for req in list(self._by_handle.values()):
                     self.cancel(req.handle)
 
-    def profile(self, k_max: int = 8, context: int = 64) -> BatchCostModel:
-        """Measure the cost curves the concurrency-aware policy uses (done on first use otherwise)."""
+    def profile(self, k_max: int = PROFILE_K, context: int = 64) -> BatchCostModel:
+        """Measure the cost curves the concurrency-aware policy uses, for k up to ``k_max`` and every batch size.
+
+        Done on first use of the policy otherwise (at the default ``k_max``). Rows asking for a
+        larger k are priced by extending the curves (:class:`CostCurve`), never by profiling again.
+        """
         with self._exclusive():
             # The longer context, for what each position more costs, within what a slot can hold.
             long_context = min(8 * context, self.max_len - k_max - 1)
@@ -609,7 +614,9 @@ class BatchEngine:
     def _policy(self, stepping: list[_Request]) -> BatchPolicy:
         if self.policy is None:
             if self.costs is None:
-                self.profile(k_max=max(r.spec.k for r in stepping))
+                # Sized by the engine, never by a request: a k = 64 request once profiled 65 widths
+                # here while every running request waited (a server profiles before it serves).
+                self.profile()
             else:
                 self.policy = BatchPolicy(self.costs)
         assert self.policy is not None
