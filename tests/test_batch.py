@@ -15,7 +15,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from drafters_common import build_tok_model
+from drafters_common import FailingDrafter, build_tok_model
 
 from verispec import Engine, EngineConfig, SamplingParams, SpecConfig, VerispecError
 from verispec.engine.batch import BatchEngine
@@ -707,6 +707,82 @@ def test_text_and_stop_strings_match_engine(tmp_path):
                                                            chat=True)
     assert [(r.token_ids, r.text, r.finish_reason) for r in got] == \
         [(r.token_ids, r.text, r.finish_reason) for r in ref]
+
+
+# -- faults stay with the request that causes them ------------------------------------------------
+
+
+def _learned(be: BatchEngine) -> tuple:
+    """The objects the engine learned into: cost model, policy and every acceptance estimate."""
+    return be.costs, be.policy, dict(be._seen_acceptance), dict(be._seen_spread)
+
+
+def test_a_failing_drafter_fails_only_its_request(engine, reference):
+    be = BatchEngine(engine, max_batch=4)
+    runs = [(0, "plain"), (1, "draft"), (3, "draft-cost")]
+    handles = [be.submit(PROMPTS[i], PARAMS[i], SPECS[name]) for i, name in runs]
+    bad = be.submit(PROMPTS[2], SamplingParams(max_tokens=40, ignore_eos=True), SPECS["ngram"],
+                    drafter=FailingDrafter(after=3))
+    be.step()  # the first step profiles the cost policy (rows "draft-cost" follow it)
+    learned = _learned(be)
+    assert learned[0] is not None and learned[1] is not None
+    with pytest.raises(RuntimeError, match="injected drafter fault"):
+        bad.result()
+    assert sum(not h.done for h in handles) >= 2  # others were still running when it failed
+    assert [h.result().token_ids for h in handles] == [reference[name][i] for i, name in runs]
+    assert be.failed is None and be.stats.rows_steps.get(4, 0) >= 3
+    after = _learned(be)
+    assert after[0] is learned[0] and after[1] is learned[1]
+    for seen_before, seen_after in zip(learned[2:], after[2:], strict=True):
+        assert all(seen_after[key] is value for key, value in seen_before.items())
+    # The slot it held serves new requests as before.
+    again = be.generate_batch([PROMPTS[2]], PARAMS[2], SPECS["ngram"])
+    assert again[0].token_ids == reference["ngram"][2]
+    assert be.num_running == 0 and be.kv_used_tokens == 0
+
+
+class PoisonedTarget:
+    """The target, except that a decode or verification forward raises when a row's last token is ``poison``."""
+
+    def __init__(self, target, poison: int) -> None:
+        self.target, self.poison, self.raised = target, poison, 0
+
+    def __call__(self, tokens, positions, cache, **kwargs):
+        if not kwargs.get("last_only") and bool((tokens[:, 0] == self.poison).any()):
+            self.raised += 1
+            raise RuntimeError("injected forward fault")
+        return self.target(tokens, positions, cache, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.target, name)
+
+
+def test_a_failing_shared_forward_fails_only_the_row_that_causes_it(engine, reference):
+    runs = [(0, "plain"), (1, "draft"), (4, "ngram")]
+    used = {t for i, name in runs for t in PROMPTS[i] + reference[name][i]}
+    poison = next(t for t in range(2, engine.target.args.vocab_size) if t not in used)
+    be = BatchEngine(engine, max_batch=4)
+    be.target = PoisonedTarget(be.target, poison)  # the row with the poisoned token breaks the batched forward
+    handles = [be.submit(PROMPTS[i], PARAMS[i], SPECS[name]) for i, name in runs]
+    bad = be.submit([5, 6, poison], SamplingParams(max_tokens=20, ignore_eos=True), SPECS["draft"])
+    with pytest.raises(RuntimeError, match="injected forward fault"):
+        bad.result()
+    assert be.target.raised == 2  # the batched forward, then the row alone
+    assert [h.result().token_ids for h in handles] == [reference[name][i] for i, name in runs]
+    assert be.failed is None and be.num_running == 0 and be.kv_used_tokens == 0
+
+
+def test_a_request_whose_callback_raises_fails_alone(engine, reference):
+    be = BatchEngine(engine, max_batch=2)
+
+    def broken(tokens):
+        raise ValueError("the client's callback broke")
+
+    bad = be.submit(PROMPTS[1], PARAMS[1], SPECS["draft"], on_tokens=broken)
+    good = be.submit(PROMPTS[3], PARAMS[3], SPECS["draft"])
+    with pytest.raises(ValueError, match="callback broke"):
+        bad.result()
+    assert good.result().token_ids == reference["draft"][3]
 
 
 # -- wide steps and the cost policy's profile -----------------------------------------------------
