@@ -14,7 +14,7 @@ from tiny import make_tiny
 from tiny_tokenizer import make_tiny_tokenizer
 
 from verispec import Engine, EngineConfig, SamplingParams, SpecConfig
-from verispec.drafters.base import Drafter
+from verispec.drafters.base import Drafter, Proposal
 from verispec.drafters.datastore import SEPARATOR, Datastore, build_datastore
 from verispec.drafters.suffix_array import suffix_array
 from verispec.models.llama import Transformer
@@ -109,3 +109,23 @@ def chi_square_p(counts: np.ndarray, probs: np.ndarray, min_expected: float = 5.
         obs, exp = obs[:-1], exp[:-1]
     assert counts[expected == 0].sum() == 0, "sampled an outcome of probability zero"
     return float(chisquare(obs, exp).pvalue)
+
+
+class FailingDrafter(Drafter):
+    """Proposes nothing for ``after`` steps, then raises: in ``propose`` if the step drafts, else in
+    ``commit``, which every step calls. A drafter fault in the middle of a request."""
+
+    name = "failing"
+
+    def __init__(self, after: int) -> None:
+        self.after, self.steps = after, 0
+
+    def propose(self, seq: list[int], k: int, params: SamplingParams, generator: torch.Generator | None) -> Proposal:
+        if self.steps >= self.after:
+            raise RuntimeError("injected drafter fault")
+        return Proposal([])
+
+    def commit(self, n_valid: int) -> None:
+        self.steps += 1
+        if self.steps > self.after:
+            raise RuntimeError("injected drafter fault")

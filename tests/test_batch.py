@@ -14,7 +14,8 @@ import threading
 from dataclasses import replace
 
 import pytest
-from drafters_common import build_tok_model
+import torch
+from drafters_common import FailingDrafter, build_tok_model
 
 from verispec import Engine, EngineConfig, SamplingParams, SpecConfig, VerispecError
 from verispec.engine.batch import BatchEngine
@@ -706,3 +707,152 @@ def test_text_and_stop_strings_match_engine(tmp_path):
                                                            chat=True)
     assert [(r.token_ids, r.text, r.finish_reason) for r in got] == \
         [(r.token_ids, r.text, r.finish_reason) for r in ref]
+
+
+# -- faults stay with the request that causes them ------------------------------------------------
+
+
+def _learned(be: BatchEngine) -> tuple:
+    """The objects the engine learned into: cost model, policy and every acceptance estimate."""
+    return be.costs, be.policy, dict(be._seen_acceptance), dict(be._seen_spread)
+
+
+def test_a_failing_drafter_fails_only_its_request(engine, reference):
+    be = BatchEngine(engine, max_batch=4)
+    runs = [(0, "plain"), (1, "draft"), (3, "draft-cost")]
+    handles = [be.submit(PROMPTS[i], PARAMS[i], SPECS[name]) for i, name in runs]
+    bad = be.submit(PROMPTS[2], SamplingParams(max_tokens=40, ignore_eos=True), SPECS["ngram"],
+                    drafter=FailingDrafter(after=3))
+    be.step()  # the first step profiles the cost policy (rows "draft-cost" follow it)
+    learned = _learned(be)
+    assert learned[0] is not None and learned[1] is not None
+    with pytest.raises(RuntimeError, match="injected drafter fault"):
+        bad.result()
+    assert sum(not h.done for h in handles) >= 2  # others were still running when it failed
+    assert [h.result().token_ids for h in handles] == [reference[name][i] for i, name in runs]
+    assert be.failed is None and be.stats.rows_steps.get(4, 0) >= 3
+    after = _learned(be)
+    assert after[0] is learned[0] and after[1] is learned[1]
+    for seen_before, seen_after in zip(learned[2:], after[2:], strict=True):
+        assert all(seen_after[key] is value for key, value in seen_before.items())
+    # The slot it held serves new requests as before.
+    again = be.generate_batch([PROMPTS[2]], PARAMS[2], SPECS["ngram"])
+    assert again[0].token_ids == reference["ngram"][2]
+    assert be.num_running == 0 and be.kv_used_tokens == 0
+
+
+class PoisonedTarget:
+    """The target, except that a decode or verification forward raises when a row's last token is ``poison``."""
+
+    def __init__(self, target, poison: int) -> None:
+        self.target, self.poison, self.raised = target, poison, 0
+
+    def __call__(self, tokens, positions, cache, **kwargs):
+        if not kwargs.get("last_only") and bool((tokens[:, 0] == self.poison).any()):
+            self.raised += 1
+            raise RuntimeError("injected forward fault")
+        return self.target(tokens, positions, cache, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.target, name)
+
+
+def test_a_failing_shared_forward_fails_only_the_row_that_causes_it(engine, reference):
+    runs = [(0, "plain"), (1, "draft"), (4, "ngram")]
+    used = {t for i, name in runs for t in PROMPTS[i] + reference[name][i]}
+    poison = next(t for t in range(2, engine.target.args.vocab_size) if t not in used)
+    be = BatchEngine(engine, max_batch=4)
+    be.target = PoisonedTarget(be.target, poison)  # the row with the poisoned token breaks the batched forward
+    handles = [be.submit(PROMPTS[i], PARAMS[i], SPECS[name]) for i, name in runs]
+    bad = be.submit([5, 6, poison], SamplingParams(max_tokens=20, ignore_eos=True), SPECS["draft"])
+    with pytest.raises(RuntimeError, match="injected forward fault"):
+        bad.result()
+    assert be.target.raised == 2  # the batched forward, then the row alone
+    assert [h.result().token_ids for h in handles] == [reference[name][i] for i, name in runs]
+    assert be.failed is None and be.num_running == 0 and be.kv_used_tokens == 0
+
+
+def test_a_request_whose_callback_raises_fails_alone(engine, reference):
+    be = BatchEngine(engine, max_batch=2)
+
+    def broken(tokens):
+        raise ValueError("the client's callback broke")
+
+    bad = be.submit(PROMPTS[1], PARAMS[1], SPECS["draft"], on_tokens=broken)
+    good = be.submit(PROMPTS[3], PARAMS[3], SPECS["draft"])
+    with pytest.raises(ValueError, match="callback broke"):
+        bad.result()
+    assert good.result().token_ids == reference["draft"][3]
+
+
+# -- wide steps and the cost policy's profile -----------------------------------------------------
+
+
+def test_a_65_wide_forward_matches_one_token_at_a_time(engine):
+    # k = 64 verifies 65 tokens per row at once: past SMALL_M, through whatever attention this CPU runs.
+    target = engine.target
+    rows = [[(7 * i + 3 + r) % target.args.vocab_size for i in range(70)] for r in range(2)]
+    tokens = torch.tensor(rows)
+    wide_cache, step_cache = target.new_cache(2, 80), target.new_cache(2, 80)
+    pos = torch.arange(70).expand(2, -1)
+    target(tokens[:, :5], pos[:, :5], wide_cache)
+    wide = target(tokens[:, 5:], pos[:, 5:], wide_cache)
+    assert wide.shape[:2] == (2, 65)
+    one = torch.stack([target(tokens[:, i:i + 1], pos[:, i:i + 1], step_cache)[:, 0] for i in range(70)], dim=1)
+    torch.testing.assert_close(wide, one[:, 5:], atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="shape"):  # 64 tokens at 65 positions: refused, not misread
+        target(tokens[:, 5:69], pos[:, 5:], wide_cache)
+
+
+def test_k_64_matches_plain_in_both_engines(engine):
+    spec = SpecConfig(method="draft", k=64, k_policy="fixed")
+    params = SamplingParams(max_tokens=90, ignore_eos=True)
+    plain = [engine.generate(p, params)[0].token_ids for p in PROMPTS[:2]]
+    assert [engine.generate(p, params, spec)[0].token_ids for p in PROMPTS[:2]] == plain
+    be = BatchEngine(engine, max_batch=2)
+    assert [r.token_ids for r in be.generate_batch(PROMPTS[:2], params, spec)] == plain
+    assert max(be.stats.width_steps) == 65
+
+
+def test_the_cost_policy_is_never_profiled_for_a_request_s_k(engine, monkeypatch):
+    import verispec.engine.batch as batch_module
+    from verispec.engine.policy import PROFILE_K
+
+    profiled = []
+    original = batch_module.BatchEngine.profile
+
+    def spy(self, k_max=PROFILE_K, context=64):
+        profiled.append(k_max)
+        return original(self, k_max, context)
+
+    monkeypatch.setattr(batch_module.BatchEngine, "profile", spy)
+    be = BatchEngine(engine, max_batch=2)
+    wide = SpecConfig(method="draft", k=40, k_policy="cost")
+    params = SamplingParams(max_tokens=60, ignore_eos=True)
+    out = be.generate_batch(PROMPTS[:2], params, wide)
+    assert profiled == [PROFILE_K]  # the engine's own width: a k = 40 request did not size it
+    assert [r.token_ids for r in out] == [engine.generate(p, params)[0].token_ids for p in PROMPTS[:2]]
+    # Profiling past the context it runs at (widths above 64 at a 16-token context) is fine too.
+    assert len(be.profile(k_max=70, context=16).target.points) > 0
+
+
+def test_the_one_request_cost_model_is_profiled_once(engine, monkeypatch):
+    from verispec.engine.policy import PROFILE_K
+
+    eng = make_engine_like(engine)
+    calls = []
+    original = eng.profile
+    monkeypatch.setattr(eng, "profile", lambda *a, **kw: calls.append(a[1]) or original(*a, **kw))
+    small, large = SpecConfig(method="draft", k=3), SpecConfig(method="draft", k=20)
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    plain = eng.generate(PROMPTS[1], params)[0].token_ids
+    assert eng.generate(PROMPTS[1], params, small)[0].token_ids == plain
+    assert eng.generate(PROMPTS[1], params, large)[0].token_ids == plain  # k = 20: priced, not re-profiled
+    assert calls == [PROFILE_K]
+    costs = eng.cost_model(large, eng.drafter(large))
+    assert len(costs.verify_s) == PROFILE_K + 1 and costs.score_s(21) >= costs.score_s(PROFILE_K + 1)
+
+
+def make_engine_like(engine: Engine) -> Engine:
+    """A fresh engine over the same models (its own caches and cost models)."""
+    return Engine(engine.config, engine.target, None, engine.eos_ids, draft=engine.draft)

@@ -121,7 +121,8 @@ def test_completion_is_lossless_and_reports_usage(oai: OpenAI, engine: Engine) -
     assert p["mean_accepted_length"] == 1.0
     assert s["drafted"] > 0 and 0 <= s["accepted"] <= s["drafted"]
     assert s["acceptance_rate"] == pytest.approx(s["accepted"] / s["drafted"])
-    assert s["mean_accepted_length"] == pytest.approx(spec.usage.completion_tokens / s["steps"])
+    # Tokens per target forward: each step's accepted drafts plus the target's own token.
+    assert s["mean_accepted_length"] == pytest.approx(1 + s["accepted"] / s["steps"])
 
 
 def test_chat_completion(oai: OpenAI, engine: Engine) -> None:
@@ -250,6 +251,20 @@ def _assert_error(r: httpx.Response, status: int, param: str | None = None) -> d
     ({"model": MODEL, "prompt": "a", "speculative": {"enabled": True, "method": "nope"}}, 400, "speculative.method"),
     ({"model": MODEL, "prompt": "a", "speculative": {"k": 0}}, 400, "speculative.k"),
     ({"model": MODEL, "prompt": "a", "speculative": {"enable": True}}, 400, None),
+    # Integers and booleans are strict, as OpenAI's are.
+    ({"model": MODEL, "prompt": "a", "max_tokens": True}, 400, "max_tokens"),
+    ({"model": MODEL, "prompt": "a", "max_tokens": 2.0}, 400, "max_tokens"),
+    ({"model": MODEL, "prompt": "a", "stream": "yes"}, 400, "stream"),
+    ({"model": MODEL, "prompt": "a", "stream": 1}, 400, "stream"),
+    ({"model": MODEL, "prompt": "a", "ignore_eos": "true"}, 400, "ignore_eos"),
+    ({"model": MODEL, "prompt": "a", "seed": 1.5}, 400, "seed"),
+    ({"model": MODEL, "prompt": "a", "n": True}, 400, "n"),
+    ({"model": MODEL, "prompt": "a", "temperature": True}, 400, "temperature"),
+    ({"model": MODEL, "prompt": "a", "temperature": "0.5"}, 400, "temperature"),
+    ({"model": MODEL, "prompt": [1, True]}, 400, None),
+    ({"model": MODEL, "prompt": "a", "speculative": {"k": 2.0}}, 400, "speculative.k"),
+    ({"model": MODEL, "prompt": "a", "speculative": {"enabled": "yes"}}, 400, "speculative.enabled"),
+    ({"model": MODEL, "prompt": "a", "stream_options": {"include_usage": 1}}, 400, "stream_options.include_usage"),
     ({"model": "gpt-4", "prompt": "a"}, 404, "model"),
     ({"prompt": "a"}, 400, "model"),
 ])
@@ -323,9 +338,23 @@ def test_metrics_change_as_expected(http: httpx.Client, oai: OpenAI) -> None:
                 assert "method" in sample.labels, sample
     stats = http.get("/stats").json()
     assert stats["paths"]["speculative"]["window"]["acceptance_rate"] is not None
-    # Plain decoding makes one token per step, except a step that ends on EOS (not counted as a token):
-    # at most 1, and below it only by those final steps.
-    assert 0.9 < stats["paths"]["plain"]["window"]["mean_accepted_length"] <= 1.0
+    # Plain decoding makes one token per step, the EOS a last step may make included.
+    assert stats["paths"]["plain"]["window"]["mean_accepted_length"] == 1.0
+
+
+def test_a_plain_request_ending_on_eos_reports_one_token_per_step(http: httpx.Client) -> None:
+    # The step that makes the EOS counts, though the EOS is not output: tokens per step stay exactly 1.
+    body = {"model": MODEL, "max_tokens": 120, "speculative": {"enabled": False}, **GREEDY}
+    for i in range(40):
+        r = http.post("/v1/completions", json={**body, "prompt": f"eos {i}"}).json()
+        if r["choices"][0]["finish_reason"] == "stop":
+            break
+    else:
+        pytest.fail("no prompt ended on EOS")
+    usage = r["usage"]
+    assert usage["speculative"]["steps"] == usage["completion_tokens"] + 1
+    assert usage["speculative"]["mean_accepted_length"] == 1.0
+    assert http.get("/stats").json()["paths"]["plain"]["total"]["mean_accepted_length"] == 1.0
 
 
 # -- canary routing ------------------------------------------------------------------------------

@@ -10,6 +10,10 @@ request sharing a prefix with it is placed there and prefills only the rest
 (:mod:`verispec.engine.prefix`). ``start()`` runs steps on a background thread; without it, waiting
 on a handle drives the steps itself.
 
+A request whose work raises fails alone: its handle gets the error, its slot is freed, and the
+step goes on without it (see :meth:`BatchEngine.step`); the other requests, and what the engine
+learned about costs and acceptance, are untouched.
+
 Outputs equal the one-request engine's: same step, same stop conditions
 (:mod:`verispec.engine.stopping`), a generator per request. With the ``cost`` k policy the k of a
 step depends on the batch (see :mod:`verispec.engine.batch_policy`); greedy outputs stay identical
@@ -36,10 +40,10 @@ from verispec.drafters.base import DraftContext, Drafter
 from verispec.drafters.vocab import special_token_ids
 from verispec.engine.batch_draft import MAX_LOCKSTEP_FEED, BatchDraftModel
 from verispec.engine.batch_policy import BatchCostModel, BatchPolicy, RowPlan, profile_costs
-from verispec.engine.batch_step import BatchStats, Row, batched_step
+from verispec.engine.batch_step import BatchStats, Row, StepReport, batched_step
 from verispec.engine.engine import Engine, GenerationResult, Prompt
 from verispec.engine.metrics import Metrics
-from verispec.engine.policy import Acceptance, AcceptanceSpread, KPolicy, make_policy
+from verispec.engine.policy import PROFILE_K, Acceptance, AcceptanceSpread, KPolicy, make_policy
 from verispec.engine.prefix import SlotPrefixes, held_tokens
 from verispec.engine.scheduler import Scheduler
 from verispec.engine.stopping import StepTokens, append_tokens, final_text, k_cap
@@ -194,6 +198,7 @@ class _Request:
     kpolicy: KPolicy | None = None  # a per-request k policy (fixed, heuristic, confidence)
     acceptance: Acceptance | None = None  # set for rows the batch policy governs (k_policy "cost")
     done: bool = False
+    drafter: Drafter | None = None  # the caller's own drafter (instead of the one spec.method names)
 
 
 class _DrafterPool:
@@ -227,7 +232,9 @@ class BatchEngine:
     first use, see :meth:`profile`). ``prefix_reuse`` keeps a finished request's KV (target and
     draft model) in its slot and places a new request in the free slot sharing its longest prefix,
     which it then does not prefill (:mod:`verispec.engine.prefix`); False resets every slot when
-    its request leaves and hands out the lowest free slot.
+    its request leaves and hands out the lowest free slot. The cost policy's curves are
+    profiled on first use for k up to :data:`~verispec.engine.policy.PROFILE_K` (see :meth:`profile`;
+    a server profiles before it serves, for its largest k).
     """
 
     def __init__(self, engine: Engine, max_batch: int = 8, max_len: int | None = None,
@@ -336,14 +343,16 @@ class BatchEngine:
     # -- requests -------------------------------------------------------------------------
 
     def submit(self, prompt: Prompt, params: SamplingParams | None = None, spec: SpecConfig | None = None,
-               chat: bool = False, on_tokens: OnTokens | None = None) -> RequestHandle:
+               chat: bool = False, on_tokens: OnTokens | None = None, drafter: Drafter | None = None) -> RequestHandle:
         """Queue one request; returns its handle at once.
 
         ``on_tokens(tokens)`` is called (on the stepping thread) with the tokens each step adds (a
         :class:`~verispec.engine.stopping.StepTokens`: ``tokens.drafted`` of them accepted drafts);
-        returning False cancels the request. Raises :class:`VerispecError` at once for a request
-        that can never run: a prompt + max_tokens beyond the context or KV budget, stop strings
-        without a tokenizer, a method the batch cannot serve.
+        returning False cancels the request. ``drafter`` plugs in a custom :class:`Drafter` for this
+        request instead of the one ``spec.method`` names (``spec`` must speculate; its k and k policy
+        apply). Raises :class:`VerispecError` at once for a request that can never run: a prompt +
+        max_tokens beyond the context or KV budget, stop strings without a tokenizer, a method the
+        batch cannot serve.
         """
         params = params or SamplingParams()
         spec = spec or PLAIN
@@ -351,12 +360,16 @@ class BatchEngine:
             raise VerispecError("stop strings need a tokenizer")
         ids = self.engine.encode(prompt, chat)
         self.scheduler.check(len(ids) + params.max_tokens)
-        self._check_spec(spec)
+        if drafter is not None and not spec.enabled:
+            raise VerispecError("a custom drafter needs a spec that speculates (method other than 'none')")
+        if drafter is None:
+            self._check_spec(spec)
         with self._exclusive():
             if self._failed is not None:
                 raise VerispecError(f"the batch engine stopped after an error: {self._failed!r}")
             handle = RequestHandle(self, next(self._ids), ids)
-            req = _Request(handle, ids, params, spec, on_tokens, Metrics(requests=1, prompt_tokens=len(ids)))
+            req = _Request(handle, ids, params, spec, on_tokens, Metrics(requests=1, prompt_tokens=len(ids)),
+                           drafter=drafter)
             self.scheduler.submit(req, len(ids) + params.max_tokens)
             self._by_handle[handle] = req
         self._work.set()
@@ -398,21 +411,44 @@ class BatchEngine:
     # -- running --------------------------------------------------------------------------
 
     def step(self) -> bool:
-        """Admit, prefill a chunk, and run one batched step for the ready rows; True while work remains."""
+        """Admit, prefill a chunk, and run one batched step for the ready rows; True while work remains.
+
+        Faults are isolated per request: one whose admission, prefill, drafter or token callback
+        raises fails alone (its handle raises the error; its slot and KV tokens are freed), and a
+        step whose shared forward raises is retried row by row, so only the rows that fail alone
+        fail. The surviving rows keep every cache consistent (the target's cache row holds
+        ``seq[:-1]``; what a failed step wrote past a row's length is never read), and the cost
+        model, the policy and the acceptance estimates stay as they were. Only an exception that
+        no request explains (a fault in the scheduling itself) fails the running requests, and a
+        BaseException such as KeyboardInterrupt stops the engine: every request gets it, new ones
+        are refused, and it propagates.
+        """
         with self._lock, torch.inference_mode():
             if self._failed is not None:
                 raise VerispecError(f"the batch engine stopped after an error: {self._failed!r}")
             try:
                 for adm in self.scheduler.admit():
-                    self._start(adm.item, adm.slot)
+                    try:
+                        self._start(adm.item, adm.slot)
+                    except Exception as e:  # noqa: BLE001 (this request's drafter or sampling set-up)
+                        self._fail_request(adm.item, e, slot=adm.slot)
                 self._prefill()
                 ready = [r for r in self._running.values() if r.prefilled]
                 if ready:
                     self._decode(ready)
+            except Exception as e:  # noqa: BLE001 (no single request to blame: those running get the error)
+                logger.exception("a batch step failed outside any one request; failing the running requests")
+                for req in list(self._running.values()):
+                    self._fail_request(req, e)
             except BaseException as e:
                 self._fail(e)
                 raise
             return self.has_work
+
+    @property
+    def failed(self) -> BaseException | None:
+        """The BaseException that stopped the engine (None while it runs)."""
+        return self._failed
 
     def run_until_done(self) -> None:
         """Step until no request is running or waiting (without a background runner)."""
@@ -440,8 +476,12 @@ class BatchEngine:
                 for req in list(self._by_handle.values()):
                     self.cancel(req.handle)
 
-    def profile(self, k_max: int = 8, context: int = 64) -> BatchCostModel:
-        """Measure the cost curves the concurrency-aware policy uses (done on first use otherwise)."""
+    def profile(self, k_max: int = PROFILE_K, context: int = 64) -> BatchCostModel:
+        """Measure the cost curves the concurrency-aware policy uses, for k up to ``k_max`` and every batch size.
+
+        Done on first use of the policy otherwise (at the default ``k_max``). Rows asking for a
+        larger k are priced by extending the curves (:class:`CostCurve`), never by profiling again.
+        """
         with self._exclusive():
             # The longer context, for what each position more costs, within what a slot can hold.
             long_context = min(8 * context, self.max_len - k_max - 1)
@@ -519,14 +559,14 @@ class BatchEngine:
         generator = None if req.params.greedy else req.params.generator(self.target.device)
         row = Row(slot, list(req.prompt), req.params, generator, req.metrics)
         if spec.enabled:
-            if spec.method == "draft":
+            if spec.method == "draft" and req.drafter is None:
                 row.model_draft = True
                 row.min_confidence = spec.min_confidence
                 assert self.draft_model is not None
                 self.stats.prefix_draft_reused_tokens += self.draft_model.begin(slot, req.prompt, spec.draft_vocab,
                                                                                 spec.draft_window)
             else:
-                row.drafter = self._drafters.acquire(spec)
+                row.drafter = req.drafter or self._drafters.acquire(spec)
                 row.drafter.begin(req.prompt)
             if spec.k_policy == "cost":
                 # Start from what this drafter achieved on earlier requests, not a blind prior.
@@ -541,6 +581,7 @@ class BatchEngine:
         # All but the last prompt token; the first step scores that one with the first drafts.
         budget = self.prefill_chunk
         t0 = time.perf_counter()
+        failed: list[tuple[_Request, Exception]] = []
         for req in self._running.values():
             if req.prefilled:
                 continue
@@ -552,13 +593,19 @@ class BatchEngine:
             if n > 0:
                 t1 = time.perf_counter()
                 pos = torch.arange(done, done + n, device=self.target.device).unsqueeze(0)
-                self.target(torch.tensor([req.prompt[done:done + n]], device=self.target.device), pos, self.cache,
-                            rows=slice(slot, slot + 1), last_only=True)
+                try:
+                    self.target(torch.tensor([req.prompt[done:done + n]], device=self.target.device), pos,
+                                self.cache, rows=slice(slot, slot + 1), last_only=True)
+                except Exception as e:  # noqa: BLE001 (this prompt's forward; its length stays where it was)
+                    failed.append((req, e))
+                    continue
                 self.cache.lengths[slot] = done + n
                 budget -= n
                 req.metrics.stage_s["prefill"] += time.perf_counter() - t1
                 self.stats.prefill_tokens += n
             req.prefilled = self.cache.lengths[slot] == target_len
+        for req, e in failed:
+            self._fail_request(req, e)
         self.stats.prefill_s += time.perf_counter() - t0
 
     def _decode(self, ready: list[_Request]) -> None:
@@ -597,9 +644,9 @@ class BatchEngine:
             for req, plan in zip(stepping, plans, strict=True):
                 if plan.acceptance is not None:
                     req.row.k = min(policy_k, plan.cap)
-        report = batched_step(self.target, self.cache, rows, self.draft_model)
+        report = self._run_step(rows)
         self.stats.record(report, policy_k)
-        if self.costs is not None:
+        if self.costs is not None and not report.retried:
             self.costs.observe_target(report.scored_tokens, report.score_s, report.context)
             self.costs.observe_catch_up(report.catch_ups, report.catch_up_tokens, report.catch_up_s)
             if self.costs.draft is not None and report.draft_forwards:
@@ -609,59 +656,154 @@ class BatchEngine:
         for i, req in enumerate(stepping):
             if req.done:  # cancelled by an earlier request's callback during this loop
                 continue
-            row = req.row
-            if req.kpolicy is not None:
-                req.kpolicy.update(row.k, report.drafted[i], report.accepted[i], report.propose_s, report.score_s)
-            if req.acceptance is not None:
-                req.acceptance.update(report.drafted[i], report.accepted[i])
-                self._seen_acceptance[req.spec.drafter_key].update(report.drafted[i], report.accepted[i])
-            if not req.out:
-                req.metrics.ttft_s = now - req.handle.submitted_at
-            n_before = len(req.out)
-            finish = append_tokens(report.new_tokens[i], row.seq, req.out, req.params, self.engine.eos_ids,
-                                   self.engine.decode)
-            chunk = StepTokens.of(report.new_tokens[i], req.out, n_before)
-            if chunk:
-                req.handle._push(chunk)
-            if req.on_tokens is not None and req.on_tokens(chunk) is False and finish is None:
-                finish = "cancelled"
-            if finish is not None and not req.done:
-                self._finish(req, finish)
+            if i in report.failed:
+                self._fail_request(req, report.failed[i])
+                continue
+            try:
+                self._advance(req, report, i, now)
+            except Exception as e:  # noqa: BLE001 (its stop check or token callback: this request alone)
+                self._fail_request(req, e)
+
+    def _advance(self, req: _Request, report: StepReport, i: int, now: float) -> None:
+        """Fold row ``i``'s step into its request: policy and acceptance updates, new tokens, stop conditions."""
+        row = req.row
+        if req.kpolicy is not None:
+            req.kpolicy.update(row.k, report.drafted[i], report.accepted[i], report.propose_s, report.score_s)
+        if req.acceptance is not None:
+            req.acceptance.update(report.drafted[i], report.accepted[i])
+            self._seen_acceptance[req.spec.drafter_key].update(report.drafted[i], report.accepted[i])
+        if not req.out:
+            req.metrics.ttft_s = now - req.handle.submitted_at
+        n_before = len(req.out)
+        finish = append_tokens(report.new_tokens[i], row.seq, req.out, req.params, self.engine.eos_ids,
+                               self.engine.decode)
+        chunk = StepTokens.of(report.new_tokens[i], req.out, n_before)
+        if chunk:
+            req.handle._push(chunk)
+        if req.on_tokens is not None and req.on_tokens(chunk) is False and finish is None:
+            finish = "cancelled"
+        if finish is not None and not req.done:
+            self._finish(req, finish)
 
     def _policy(self, stepping: list[_Request]) -> BatchPolicy:
         if self.policy is None:
             if self.costs is None:
-                self.profile(k_max=max(r.spec.k for r in stepping))
+                # Sized by the engine, never by a request: a k = 64 request once profiled 65 widths
+                # here while every running request waited (a server profiles before it serves).
+                self.profile()
             else:
                 self.policy = BatchPolicy(self.costs)
         assert self.policy is not None
         return self.policy
 
-    def _finish(self, req: _Request, reason: str) -> None:
+    def _run_step(self, rows: list[Row]) -> StepReport:
+        """One batched step of ``rows``; a row that fails it is in ``report.failed``, the others advance.
+
+        A row whose own drafter raises is left out of the step by :func:`batched_step`. If the step
+        raises anyway (the lockstep draft model, the shared target forward, verification), it is
+        undone, each row's caches, drafter and generator as they were before, and every row runs it
+        alone: the rows that raise alone are the ones that fail. The combined report is marked
+        ``retried`` (its timings are no single forward's, so the cost model does not learn from it).
+        """
+        saved = [self._row_state(r) for r in rows]
+        try:
+            return batched_step(self.target, self.cache, rows, self.draft_model)
+        except Exception as e:  # noqa: BLE001 (isolated below)
+            logger.warning("a batched step of %d rows failed (%r); retrying its rows one by one", len(rows), e)
+        for row, state in zip(rows, saved, strict=True):
+            self._restore_row(row, state)
+        report = StepReport(len(rows), 0, 0, 0, 0.0, 0.0, 0.0, retried=True)
+        for i, (row, state) in enumerate(zip(rows, saved, strict=True)):
+            try:
+                alone = batched_step(self.target, self.cache, [row], self.draft_model)
+            except Exception as e:  # noqa: BLE001 (this row fails on its own: it is the culprit)
+                self._restore_row(row, state)
+                alone = StepReport(1, 0, 0, 0, 0.0, 0.0, 0.0, new_tokens=[[]], drafted=[0], accepted=[0],
+                                   failed={0: e})
+            report.new_tokens += alone.new_tokens
+            report.drafted += alone.drafted
+            report.accepted += alone.accepted
+            if 0 in alone.failed:
+                report.failed[i] = alone.failed[0]
+            report.span, report.width = max(report.span, alone.span), max(report.width, alone.width)
+            report.draft_forwards += alone.draft_forwards
+            report.propose_s += alone.propose_s
+            report.score_s += alone.score_s
+            report.verify_s += alone.verify_s
+            report.context = max(report.context, alone.context)
+        return report
+
+    def _row_state(self, row: Row) -> tuple[int, torch.Tensor | None]:
+        """What a step may change in a row before it fails: the target cache length and the generator."""
+        return self.cache.lengths[row.slot], None if row.generator is None else row.generator.get_state()
+
+    def _restore_row(self, row: Row, state: tuple[int, torch.Tensor | None]) -> None:
+        """Undo a step that raised: the row is back to ``seq`` with nothing drafted or accepted.
+
+        The target's cache row is back at ``len(seq) - 1``; the draft model and a per-row drafter
+        are told that only ``seq`` is final (they lower their lengths and catch up next time), and the
+        generator is back where it was, so a retried sampled row draws what it would have drawn.
+        """
+        length, generator_state = state
+        self.cache.lengths[row.slot] = length
+        if row.model_draft and self.draft_model is not None:
+            self.draft_model.commit(row.slot, len(row.seq))
+        if row.drafter is not None:
+            try:
+                row.drafter.commit(len(row.seq))
+            except Exception:  # noqa: BLE001 (a broken drafter fails its row when it runs alone)
+                pass
+        if generator_state is not None:
+            row.generator.set_state(generator_state)
+
+    def _fail_request(self, req: _Request, error: BaseException, slot: int | None = None) -> None:
+        """Fail one request with ``error``: its handle raises it, its slot and KV tokens are free at once.
+
+        ``slot``: the slot it was being admitted to when it failed. Nothing else changes: the other
+        requests, the cost model, the policy and the acceptance estimates stay as they were.
+        """
+        if req.done:
+            return
+        logger.error("request %d failed (%r); the other requests go on", req.handle.id, error, exc_info=error)
+        if req.row is None and slot is not None:  # failed while being admitted: the scheduler holds its slot
+            self._running.pop(slot, None)
+            self.scheduler.release(slot)
+            self.cache.reset(slot)
+            if self.draft_model is not None:
+                self.draft_model.begin(slot)
+        self._finish(req, "error", error)
+
+    def _finish(self, req: _Request, reason: str, error: BaseException | None = None) -> None:
         req.done = True
         self._by_handle.pop(req.handle, None)
-        if reason != "cancelled":
+        if reason != "cancelled" and error is None:
             self.engine.answer_lengths.add(len(req.out), cut=reason == "length")
-        if req.acceptance is not None:
+        if req.acceptance is not None and error is None:
             self._seen_spread.setdefault(req.spec.drafter_key, AcceptanceSpread()).add(req.acceptance)
         if req.row is not None:
             slot = req.row.slot
             del self._running[slot]
             self.scheduler.release(slot)
-            if self.prefix_reuse:
+            # A failed request's row may hold K/V of a step that never finished: its prefix is not kept.
+            if self.prefix_reuse and error is None:
                 held = held_tokens(req.row.seq, self.cache.lengths[slot])
                 self._prefixes.record(slot, held)
                 self.cache.lengths[slot] = len(held)
             else:
                 self.cache.reset(slot)
-            if self.draft_model is not None and req.row.model_draft:
-                self.draft_model.release(slot, req.row.seq if self.prefix_reuse else None)
-            if req.row.drafter is not None:
+            if self.draft_model is not None and (req.row.model_draft or error is not None):
+                self.draft_model.release(slot, req.row.seq if self.prefix_reuse and error is None else None)
+            # A drafter goes back to the pool unless it was the caller's own, or its request failed (it may
+            # be what failed).
+            if req.row.drafter is not None and req.drafter is None and error is None:
                 self._drafters.release(req.spec, req.row.drafter)
         m = req.metrics
         m.generated_tokens = len(req.out)
         m.total_s = time.perf_counter() - req.handle.submitted_at
         self.stats.requests.merge(m)
+        if error is not None:
+            req.handle._finish(None, error)
+            return
         text = final_text(self.engine.decode(req.out), req.params.stop)
         req.handle._finish(GenerationResult(req.prompt, req.out, text, reason, m))
 

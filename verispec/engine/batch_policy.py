@@ -462,7 +462,8 @@ def _time_grid(model: Transformer, batch_sizes: list[int], widths: range | tuple
     times: dict[tuple[int, int], float] = {}
     for b in batch_sizes:
         for m in widths:
-            tokens = prefix[:m].expand(b, -1).contiguous()
+            # m tokens at m positions, whatever the prefix's length (k + 1 may exceed the context: k = 64).
+            tokens = ((torch.arange(m, device=device) * 7 + 3) % model.args.vocab_size).expand(b, -1).contiguous()
             pos = (context + torch.arange(m, device=device)).expand(b, -1)
             times[b, m] = min(seconds_of(
                 lambda tokens=tokens, pos=pos, b=b: model(tokens, pos, cache, rows=slice(0, b)), device, reps))

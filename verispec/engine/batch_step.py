@@ -10,6 +10,11 @@ and rollback are per row, exactly as in :func:`~verispec.engine.step.speculative
 The forward covers the contiguous slot span of the stepping rows (the model addresses cache rows
 by slice); slots inside the span that are not stepping (free, or still prefilling) get dummy
 tokens at positions from their own cache length on, which are equally harmless.
+
+A row whose own drafter raises (in ``propose`` or ``commit``) is left out of the step and
+reported in ``StepReport.failed``; the other rows' results do not depend on it (a row's result
+never depends on its companions). Any other exception propagates before any row's cache length,
+drafter or metrics change: every row is verified first, and only then are all rolled forward.
 """
 
 from __future__ import annotations
@@ -71,6 +76,8 @@ class StepReport:
     catch_up_tokens: int = 0
     catch_up_s: float = 0.0
     context: int = 0  # the longest row's tokens before the step: what the forward's keys were padded to
+    failed: dict[int, BaseException] = field(default_factory=dict)  # row index -> what its own drafter raised
+    retried: bool = False  # the rows ran one by one after the batched step raised (BatchEngine._run_step)
 
     @property
     def scored_tokens(self) -> int:
@@ -80,10 +87,14 @@ class StepReport:
 @torch.inference_mode()
 def batched_step(target: Transformer, cache: KVCache, rows: list[Row],
                  draft_model: BatchDraftModel | None) -> StepReport:
-    """Extend every row by one speculative step; ``report.new_tokens[i]`` are row i's 1..k+1 new tokens."""
+    """Extend every row by one speculative step; ``report.new_tokens[i]`` are row i's 1..k+1 new tokens.
+
+    A row in ``report.failed`` (its drafter raised) did not step: no new tokens, cache unchanged.
+    """
     # 1. Propose: model rows draft together in lockstep, per-row drafters one by one.
     t0 = time.perf_counter()
     proposals = [Proposal([])] * len(rows)
+    failed: dict[int, BaseException] = {}
     forwards_before = draft_model.forwards if draft_model is not None else 0
     caught_before = ((draft_model.catch_ups, draft_model.catch_up_tokens, draft_model.catch_up_s)
                      if draft_model is not None else (0, 0, 0.0))
@@ -96,16 +107,26 @@ def batched_step(target: Transformer, cache: KVCache, rows: list[Row],
             proposals[i] = p
     for i, r in enumerate(rows):
         if r.drafter is not None and r.k > 0:
-            proposals[i] = r.drafter.propose(r.seq, r.k, r.params, r.generator)
+            try:
+                proposals[i] = r.drafter.propose(r.seq, r.k, r.params, r.generator)
+            except Exception as e:  # noqa: BLE001 (this row's drafter: the row fails, the step goes on)
+                failed[i] = e
     drafts = [p.tokens[:r.k] for p, r in zip(proposals, rows, strict=True)]
+    live = [i for i in range(len(rows)) if i not in failed]
     t1 = time.perf_counter()
+    report = StepReport(len(rows), 0, 0, 0, t1 - t0, 0.0, 0.0, context=max(len(r.seq) for r in rows),
+                        new_tokens=[[] for _ in rows], drafted=[0] * len(rows), accepted=[0] * len(rows),
+                        failed=failed)
+    if not live:
+        return report
 
     # 2. Score: one forward over the slot span, each row padded to the widest k + 1.
-    lo, hi = min(r.slot for r in rows), max(r.slot for r in rows) + 1
-    width = max(len(d) for d in drafts) + 1
+    lo, hi = min(rows[i].slot for i in live), max(rows[i].slot for i in live) + 1
+    width = max(len(drafts[i]) for i in live) + 1
     starts = list(cache.lengths[lo:hi])  # holes: dummies from their own length on
     tokens = torch.zeros(hi - lo, width, dtype=torch.long)
-    for r, d in zip(rows, drafts, strict=True):
+    for i in live:
+        r, d = rows[i], drafts[i]
         real = [r.seq[-1], *d]
         tokens[r.slot - lo] = torch.tensor(real + [real[-1]] * (width - len(real)))
         starts[r.slot - lo] = len(r.seq) - 1
@@ -117,26 +138,34 @@ def batched_step(target: Transformer, cache: KVCache, rows: list[Row],
     logits = target(tokens.to(target.device), pos.to(target.device), cache, kv_len=kv_len, rows=slice(lo, hi))
     sync(logits.device)  # charge the forward to "score", not to the first sync in "verify"
     t2 = time.perf_counter()
+    report.span, report.width, report.score_s = hi - lo, width, t2 - t1
 
-    # 3. Verify each row against its own slice of the logits, with its own generator.
-    report = StepReport(len(rows), hi - lo, width, 0, t1 - t0, t2 - t1, 0.0, context=max(len(r.seq) for r in rows))
-    for r, d, p in zip(rows, drafts, proposals, strict=True):
+    # 3. Verify each row against its own slice of the logits, with its own generator (nothing changes yet).
+    verdicts = []
+    for i in live:
+        r, d, p = rows[i], drafts[i], proposals[i]
         row_logits = logits[r.slot - lo, : len(d) + 1]
         if r.params.greedy:
-            n, extra = verify_greedy(d, row_logits)
+            verdicts.append(verify_greedy(d, row_logits))
         else:
             q = None if p.probs is None else p.probs[: len(d)].to(row_logits.device)
-            n, extra = verify_sampling(d, q, probs_from_logits(row_logits, r.params), r.generator)
-        # 4. Roll back to what was accepted: the row keeps K/V for seq[-1] and d1..dn.
-        cache.lengths[r.slot] = len(r.seq) + n
-        if r.model_draft and draft_model is not None:
+            verdicts.append(verify_sampling(d, q, probs_from_logits(row_logits, r.params), r.generator))
+    # 4. Roll back to what was accepted: the row keeps K/V for seq[-1] and d1..dn.
+    for i, (n, extra) in zip(live, verdicts, strict=True):
+        r, d = rows[i], drafts[i]
+        if r.drafter is not None:
+            try:
+                r.drafter.commit(len(r.seq) + n)
+            except Exception as e:  # noqa: BLE001 (this row's drafter, as in propose: its cache stays put)
+                failed[i] = e
+                continue
+        elif r.model_draft and draft_model is not None:
             draft_model.commit(r.slot, len(r.seq) + n)
-        elif r.drafter is not None:
-            r.drafter.commit(len(r.seq) + n)
+        cache.lengths[r.slot] = len(r.seq) + n
         r.metrics.record_step(r.k, len(d), n)
-        report.new_tokens.append(d[:n] + [extra])
-        report.drafted.append(len(d))
-        report.accepted.append(n)
+        report.new_tokens[i] = d[:n] + [extra]
+        report.drafted[i] = len(d)
+        report.accepted[i] = n
     t3 = time.perf_counter()
     report.verify_s = t3 - t2
     report.draft_forwards = (draft_model.forwards - forwards_before) if draft_model is not None else 0
@@ -145,7 +174,7 @@ def batched_step(target: Transformer, cache: KVCache, rows: list[Row],
         report.catch_up_tokens = draft_model.catch_up_tokens - caught_before[1]
         report.catch_up_s = draft_model.catch_up_s - caught_before[2]
     # Each request waited for the whole step, so each is charged every stage's full time.
-    for r in rows:
+    for r in (rows[i] for i in live if i not in failed):
         for stage, s in (("propose", report.propose_s), ("score", report.score_s), ("verify", report.verify_s)):
             r.metrics.stage_s[stage] += s
     return report

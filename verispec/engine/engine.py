@@ -6,7 +6,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -16,7 +16,15 @@ from verispec.drafters import make_drafter
 from verispec.drafters.base import DraftContext, Drafter
 from verispec.engine.compiled import cache_slack, compile_model
 from verispec.engine.metrics import Metrics, seconds_of
-from verispec.engine.policy import Acceptance, AnswerLengths, ContextCost, CostModel, make_policy, per_position_s
+from verispec.engine.policy import (
+    PROFILE_K,
+    Acceptance,
+    AnswerLengths,
+    ContextCost,
+    CostModel,
+    make_policy,
+    per_position_s,
+)
 from verispec.engine.prefix import SlotPrefixes, held_tokens
 from verispec.engine.step import speculative_step
 from verispec.engine.stopping import StepTokens, append_tokens, final_text, k_cap
@@ -39,6 +47,13 @@ class GenerationResult:
     text: str | None
     finish_reason: str  # "stop" (EOS or a stop string), "length" or "cancelled"
     metrics: Metrics = field(repr=False)
+
+
+class TargetTiming(NamedTuple):
+    """The target's part of a profile: seconds to score 1..k_max+1 tokens, and per scored token and further position."""
+
+    verify_s: list[float]
+    per_position_s: float
 
 
 def check_tokenizers_match(target_tok: Any, draft_tok: Any, target_vocab: int, draft_vocab: int) -> None:
@@ -97,6 +112,7 @@ class Engine:
                 compile_model(draft, self.cache_len, warmup=(1, 2))
         self._drafters: dict[str, Drafter] = {}
         self._costs: dict[str, CostModel] = {}
+        self._target_timings: dict[int, TargetTiming] = {}  # per profiled k_max: shared by every drafter's costs
         # Per drafter, over all requests: where a new request's acceptance estimate starts.
         self._seen_acceptance: dict[str, Acceptance] = {}
         self.answer_lengths = AnswerLengths()  # how long answers run: the cost policy's horizon
@@ -174,22 +190,32 @@ class Engine:
             self._drafters[key] = make_drafter(spec, self.draft_context)
         return self._drafters[key]
 
-    def cost_model(self, spec: SpecConfig, drafter: Drafter) -> CostModel:
-        """Measured draft and verification costs for ``spec``'s drafter (profiled once, then refreshed online)."""
+    def cost_model(self, spec: SpecConfig, drafter: Drafter, k_max: int | None = None) -> CostModel:
+        """Measured draft and verification costs for ``spec``'s drafter: profiled once, then refreshed online.
+
+        The first use profiles k up to ``k_max`` (default: the larger of ``spec.k`` and
+        :data:`~verispec.engine.policy.PROFILE_K`); the target's part of it is measured once per
+        ``k_max`` and shared by every drafter's model. A request asking for a larger k later is
+        priced by extending the verification curve (:meth:`CostModel.score_s`), never profiled
+        again: a server profiles up front, for its largest k, before it serves.
+        """
         key = spec.drafter_key
         costs = self._costs.get(key)
-        if costs is None or len(costs.verify_s) < spec.k + 1:
-            costs = self._costs[key] = self.profile(drafter, spec.k)
+        if costs is None:
+            k_max = max(spec.k, PROFILE_K) if k_max is None else k_max
+            costs = self._costs[key] = self.profile(drafter, k_max, target=self._target_timings.get(k_max))
+            self._target_timings.setdefault(k_max, TargetTiming(list(costs.verify_s), costs.per_position.target_s))
         return costs
 
     @torch.inference_mode()
     def profile(self, drafter: Drafter | None, k_max: int, context: int = 64, reps: int = 5,
-                long_context: int | None = None) -> CostModel:
+                long_context: int | None = None, target: TargetTiming | None = None) -> CostModel:
         """Time target forwards of 1..k_max+1 tokens and one draft token on a dummy context.
 
         What each further position of context costs is timed at ``long_context`` (default 8 x
         ``context``, within ``max_len``; not at all if that is not longer): a request spends most
-        of its steps far past a 64-token context.
+        of its steps far past a 64-token context. ``target`` reuses the target's timings from an
+        earlier profile at the same ``k_max`` and contexts (only the drafter is timed then).
         """
         vocab = self.target.args.vocab_size
         context = max(2, min(context, self.config.max_len - k_max - 2))
@@ -201,17 +227,22 @@ class Engine:
         dev = self.target.device
         self.target(torch.tensor([seq[:context - 1]], device=dev), torch.arange(context - 1, device=dev).unsqueeze(0),
                     self.cache, last_only=True)
+        self.cache.lengths[0] = context - 1  # it holds seq[:context - 1], as a drafter sharing it (layerskip) needs
 
         def score_s(at: int, m: int) -> float:  # keys past what was written are stale: same time
-            tokens = torch.tensor([seq[:m]], device=dev)
+            tokens = torch.tensor([[(7 * i + 3) % vocab for i in range(m)]], device=dev)  # m even past seq's end
             pos = torch.arange(at - 1, at - 1 + m, device=dev).unsqueeze(0)
             times = seconds_of(lambda: self.target(tokens, pos, self.cache, kv_len=at - 1 + m), dev, reps, warmup=0)
             return min(times)  # noise only ever adds time
 
-        verify_s = [score_s(context, m) for m in range(1, k_max + 2)]
         widths = (1, k_max + 1) if long_context > context else ()
-        target_per_position = per_position_s({(1, m): verify_s[m - 1] for m in widths},
-                                             {(1, m): score_s(long_context, m) for m in widths}, context, long_context)
+        if target is not None and len(target.verify_s) == k_max + 1:
+            verify_s, target_per_position = list(target.verify_s), target.per_position_s
+        else:
+            verify_s = [score_s(context, m) for m in range(1, k_max + 2)]
+            target_per_position = per_position_s({(1, m): verify_s[m - 1] for m in widths},
+                                                 {(1, m): score_s(long_context, m) for m in widths}, context,
+                                                 long_context)
         draft_s = catch_up_s = draft_per_position = 0.0
         if drafter is not None:
             greedy = SamplingParams(max_tokens=k_max + 1)
@@ -229,6 +260,9 @@ class Engine:
             if reads:
                 catch_up_s = max(0.0, min(catch_up) - draft_s) / reads
             if widths:
+                # Timing only: a drafter reading the target's cache sees the long context's length (what
+                # lies past the prefilled part is dummies; the cache is reset below).
+                self.cache.lengths[0] = long_context - 1
                 drafter.begin(seq)
                 drafter.propose(seq, 1, greedy, None)  # catch up on the long context
                 draft_per_position = per_position_s({(1, 1): draft_s},

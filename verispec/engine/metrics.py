@@ -35,13 +35,25 @@ def seconds_of(run: Callable[[], object], device: torch.device, reps: int, warmu
         times.append(time.perf_counter() - t0)
     return times[warmup:]
 
+def mean_accepted_length(steps: int, accepted: int) -> float:
+    """Tokens per target forward over ``steps`` steps that accepted ``accepted`` drafts (0 without steps).
+
+    Each step yields its accepted drafts and one token of the target's, whatever a stop condition
+    then cuts (see :class:`Metrics`).
+    """
+    return (steps + accepted) / steps if steps else 0.0
+
+
 @dataclass
 class Metrics:
     """Counters of one request, or of many merged with :meth:`merge`.
 
     ``steps`` counts target forwards after prefill; ``mean_accepted_length`` is Spec-Bench's
     "mean accepted tokens": tokens produced per target forward, bonus token included, so plain
-    decoding scores exactly 1.0. ``prefix_reused_tokens`` are prompt tokens whose target K/V an
+    decoding scores exactly 1.0. Every step produces its accepted drafts plus one token of the
+    target's, including a step whose token is the EOS (which is not output, so not counted in
+    ``generated_tokens``) or whose tokens run past a stop string: hence ``1 + accepted / steps``,
+    not ``generated_tokens / steps``. ``prefix_reused_tokens`` are prompt tokens whose target K/V an
     earlier request left in the cache, so they were not prefilled (:mod:`verispec.engine.prefix`).
     """
 
@@ -88,7 +100,7 @@ class Metrics:
 
     @property
     def mean_accepted_length(self) -> float:
-        return self.generated_tokens / self.steps if self.steps else 0.0
+        return mean_accepted_length(self.steps, self.accepted)
 
     @property
     def tokens_per_s(self) -> float:

@@ -28,6 +28,10 @@ MIN_GAIN = 0.05
 # was never probed. The back-off and a batch's plausible-acceptance bound keep busy batches from
 # probing where it cannot pay.
 PROBE_EVERY = 8
+# The widest k a cost model is profiled for when nobody asks for more: what a first use of the
+# cost policy measures (a request's k never sizes a profile that others would wait for). A larger
+# k is priced by extending the measured curve (see CostModel.score_s and CostCurve).
+PROFILE_K = 8
 
 
 def expected_tokens(a: float, k: int) -> float:
@@ -96,10 +100,19 @@ class CostModel:
 
     def score_s(self, m: int, context: int = 0) -> float:
         """Predicted seconds of a target forward scoring ``m`` tokens at ``context`` positions."""
-        return self.verify_s[m - 1] + self.per_position.target(m, context)
+        return self._verify(m) + self.per_position.target(m, context)
+
+    def _verify(self, m: int) -> float:
+        """The profiled seconds of scoring ``m`` tokens; past the profiled widths the curve goes on at its
+        last segment's slope (never falling), so a k wider than the profile is priced, not re-profiled."""
+        n = len(self.verify_s)
+        if m <= n:
+            return self.verify_s[m - 1]
+        slope = max(0.0, self.verify_s[-1] - self.verify_s[-2]) if n > 1 else 0.0
+        return self.verify_s[-1] + slope * (m - n)
 
     def step_s(self, k: int, context: int = 0) -> float:
-        """Predicted seconds of one step drafting k tokens (k + 1 <= len(verify_s))."""
+        """Predicted seconds of one step drafting k tokens."""
         return k * self.draft_token_s(context) + self.score_s(k + 1, context)
 
     def speed(self, a: float, k: int, hit: float = 1.0, context: int = 0) -> float:
@@ -133,7 +146,7 @@ class CostModel:
             measured = propose_s / drafted - self.per_position.draft(1, context)
             self.draft_s += w * (measured - self.draft_s)
         measured = score_s - self.per_position.target(k + 1, context)
-        scale = 1.0 + w * (measured / self.verify_s[k] - 1.0)
+        scale = 1.0 + w * (measured / self._verify(k + 1) - 1.0)
         self.verify_s = [t * scale for t in self.verify_s]
 
 

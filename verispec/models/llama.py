@@ -176,6 +176,8 @@ class Transformer(nn.Module):
         (a drafter's reduced vocabulary head; the model itself, maybe shared, is left as it is).
         """
         b, m = tokens.shape
+        if positions.shape != tokens.shape:  # else the rope tables and the K/V writes disagree with the tokens
+            raise ValueError(f"positions {tuple(positions.shape)} must have the tokens' shape {(b, m)}")
         if kv_len is None:
             kv_len = int(positions.max()) + 1
         x = self.embed(tokens)

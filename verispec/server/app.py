@@ -7,7 +7,6 @@ import hmac
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from importlib.resources import files
 from typing import Annotated, Any
 
@@ -38,6 +37,7 @@ from verispec.server.protocol import (
     ModelCard,
     ModelList,
 )
+from verispec.server.state import ServerState
 from verispec.server.worker import PLAIN_PATH, SPECULATIVE, EngineWorker, Worker
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
@@ -55,19 +55,6 @@ _ADMIN_ERRORS: dict[int | str, dict[str, Any]] = {
 # A constant (the scheme's description for the OpenAPI document), not state.
 AdminCredentials = Annotated[HTTPAuthorizationCredentials | None,
                              Depends(HTTPBearer(auto_error=False, description="the admin token given at start-up"))]
-
-
-@dataclass
-class ServerState:
-    """Everything the endpoints share, kept on ``app.state.verispec`` (no module globals)."""
-
-    engine: Engine
-    config: ServerConfig
-    worker: Worker
-    metrics: ServerMetrics
-    router: CanaryRouter
-    started: int
-    closing: bool = False
 
 
 def _strip_422(app: FastAPI) -> None:

@@ -9,7 +9,8 @@ side never touches the batch engine, so it never waits for a step.
 ``max_queue`` bounds the requests submitted but not yet admitted to a slot; :meth:`submit`
 raises :class:`QueueFullError` past it. A cancelled request leaves the batch before the next step
 (mid-step, a running one is stopped by its token callback), so its slot and KV tokens are free at
-once.
+once. A request the engine fails (its drafter raised, say) fails alone: the batch engine retries
+the step without it, and the others go on (see :meth:`BatchEngine.step`).
 """
 
 from __future__ import annotations
@@ -172,12 +173,16 @@ class BatchWorker:
             for job in cancelled:  # their slots are free before the next step
                 self._batch.cancel(job.handle)
             if self._batch.has_work:
+                # A request that fails fails alone (its handle carries the error); the engine, and what it
+                # learned about costs and acceptance, carries on with the others. step() itself raises only
+                # once the engine has stopped (every handle then has the error): a fresh one takes over,
+                # keeping the cost model.
                 try:
                     self._batch.step()
-                except Exception:  # noqa: BLE001 (every running request gets the error; the server carries on)
-                    logger.exception("a batch step failed; failing its requests and starting a fresh batch")
+                except Exception:  # noqa: BLE001
+                    logger.exception("the batch engine stopped; continuing on a fresh one")
                     self._report()
-                    self._batch = BatchEngine(self.engine, **self._batch_args)
+                    self._batch = BatchEngine(self.engine, **self._batch_args, costs=self._batch.costs)
             self._report()
 
     def _hand_over(self, job: _Job) -> None:

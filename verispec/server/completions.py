@@ -6,7 +6,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -24,6 +24,7 @@ from verispec.server.protocol import (
     SpeculativeUsage,
     Usage,
 )
+from verispec.server.state import ServerState
 from verispec.server.streaming import SSEResponse, race_disconnect, sse
 from verispec.server.worker import (
     FailedEvent,
@@ -34,9 +35,6 @@ from verispec.server.worker import (
     TokensEvent,
     TokenStream,
 )
-
-if TYPE_CHECKING:
-    from verispec.server.app import ServerState
 
 Kind = Literal["completion", "chat"]
 _MIN_TEMPERATURE = 1e-5

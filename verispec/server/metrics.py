@@ -17,6 +17,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from verispec.engine.engine import GenerationResult
+from verispec.engine.metrics import mean_accepted_length
 from verispec.server.worker import PLAIN_PATH, SPECULATIVE, GenRequest
 
 LABELS = ("path", "method")
@@ -52,6 +53,10 @@ def percentile(values: list[float], q: float) -> float | None:
 
 def _ratio(num: float, den: float) -> float | None:
     return num / den if den else None
+
+
+def _mean_accepted(steps: int, accepted: int) -> float | None:
+    return mean_accepted_length(steps, accepted) if steps else None
 
 
 class ServerMetrics:
@@ -228,8 +233,8 @@ class ServerMetrics:
                     "window": {
                         "requests": len(recent),
                         "acceptance_rate": _ratio(sum(f.accepted for f in recent), sum(f.drafted for f in recent)),
-                        "mean_accepted_length": _ratio(sum(f.generated for f in recent),
-                                                       sum(f.steps for f in recent)),
+                        "mean_accepted_length": _mean_accepted(sum(f.steps for f in recent),
+                                                               sum(f.accepted for f in recent)),
                         "tokens_per_s": _ratio(sum(f.generated for f in recent), sum(f.engine_s for f in recent)),
                         "throughput_tokens_per_s": sum(n for _, n in events) / span if events else 0.0,
                         "latency_p50_s": percentile(e2e, 0.5),
@@ -245,7 +250,7 @@ class ServerMetrics:
                         "accepted": totals.get("accepted", 0),
                         "prefix_reused_tokens": totals.get("prefix_reused", 0),
                         "acceptance_rate": _ratio(totals.get("accepted", 0), totals.get("drafted", 0)),
-                        "mean_accepted_length": _ratio(totals.get("generated", 0), totals.get("steps", 0)),
+                        "mean_accepted_length": _mean_accepted(totals.get("steps", 0), totals.get("accepted", 0)),
                     },
                 }
         return {"window_s": self.window_s, "paths": paths}

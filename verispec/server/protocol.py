@@ -2,14 +2,16 @@
 
 Unknown top-level fields are ignored, as OpenAI-compatible servers do, so clients that send
 extra options keep working; options verispec cannot honour (logprobs, penalties, n > 1) are
-refused rather than silently ignored.
+refused rather than silently ignored. Integers and booleans are strict, as OpenAI's are: ``true``
+or ``2.0`` is no integer and ``"yes"`` or ``1`` no boolean (400). Numbers such as ``temperature``
+take integers as well as floats, but never booleans or strings.
 """
 
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, model_validator
 
 MAX_SEED = 2**64 - 1
 
@@ -23,13 +25,14 @@ class SpeculativeOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    enabled: bool | None = Field(None, description="true: speculate; false: decode plainly; omitted: canary routing")
+    enabled: StrictBool | None = Field(None, description="true: speculate; false: decode plainly; omitted: canary "
+                                       "routing")
     method: str | None = Field(None, description="drafter: draft, ngram, ... (see GET /v1/models)")
-    k: int | None = Field(None, ge=1, le=64, description="draft tokens per step")
+    k: StrictInt | None = Field(None, ge=1, le=64, description="draft tokens per step")
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = Field(False, description="send a last chunk with usage before [DONE]")
+    include_usage: StrictBool = Field(False, description="send a last chunk with usage before [DONE]")
 
 
 class _GenerationRequest(BaseModel):
@@ -38,20 +41,20 @@ class _GenerationRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str
-    max_tokens: int | None = Field(None, ge=1, description="tokens to generate at most")
-    temperature: float | None = Field(None, ge=0.0, le=2.0, description="0 is greedy; default 1")
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=0, description="extension: keep the k likeliest tokens (0: off)")
-    n: int = Field(1, description="choices per request; only 1 is supported")
+    max_tokens: StrictInt | None = Field(None, ge=1, description="tokens to generate at most")
+    temperature: StrictFloat | None = Field(None, ge=0.0, le=2.0, description="0 is greedy; default 1")
+    top_p: StrictFloat | None = Field(None, gt=0.0, le=1.0)
+    top_k: StrictInt | None = Field(None, ge=0, description="extension: keep the k likeliest tokens (0: off)")
+    n: StrictInt = Field(1, description="choices per request; only 1 is supported")
     stop: str | list[str] | None = Field(None, description="stop strings (not included in the output)")
-    seed: int | None = Field(None, ge=0, le=MAX_SEED)
-    stream: bool = False
+    seed: StrictInt | None = Field(None, ge=0, le=MAX_SEED)
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: str | None = Field(None, description="end-user id; also the canary routing key")
-    ignore_eos: bool = Field(False, description="extension: keep generating past the end-of-sequence token")
+    ignore_eos: StrictBool = Field(False, description="extension: keep generating past the end-of-sequence token")
     speculative: SpeculativeOptions | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    presence_penalty: StrictFloat | None = None
+    frequency_penalty: StrictFloat | None = None
 
     @model_validator(mode="after")
     def _supported(self) -> _GenerationRequest:
@@ -72,9 +75,9 @@ class _GenerationRequest(BaseModel):
 class CompletionRequest(_GenerationRequest):
     """POST /v1/completions. One prompt: a string, token ids, or a one-element list of either."""
 
-    prompt: str | list[int] | list[str] | list[list[int]]
-    logprobs: int | None = Field(None, description="not supported")
-    echo: bool = Field(False, description="not supported")
+    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
+    logprobs: StrictInt | None = Field(None, description="not supported")
+    echo: StrictBool = Field(False, description="not supported")
 
     @model_validator(mode="after")
     def _single(self) -> CompletionRequest:
@@ -116,8 +119,8 @@ class ChatCompletionRequest(_GenerationRequest):
     """POST /v1/chat/completions; the prompt is the model's chat template over ``messages``."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1, description="OpenAI's newer name for max_tokens")
-    logprobs: bool | None = Field(None, description="not supported")
+    max_completion_tokens: StrictInt | None = Field(None, ge=1, description="OpenAI's newer name for max_tokens")
+    logprobs: StrictBool | None = Field(None, description="not supported")
 
     @model_validator(mode="after")
     def _no_logprobs(self) -> ChatCompletionRequest:
@@ -221,7 +224,7 @@ class Health(BaseModel):
 
 
 class FractionUpdate(BaseModel):
-    fraction: float = Field(ge=0.0, le=1.0, description="share of requests routed through speculation")
+    fraction: StrictFloat = Field(ge=0.0, le=1.0, description="share of requests routed through speculation")
 
 
 class FractionResponse(BaseModel):
