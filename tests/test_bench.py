@@ -23,7 +23,7 @@ from verispec.bench.stability import NULL_DRAFTER, run_suite
 from verispec.bench.stats import MethodStats, ratios_by_category, spec_bench_mean
 from verispec.cli import main
 from verispec.config import DEFAULT_SPEC, PLAIN, SpecConfig
-from verispec.demo import demo_options
+from verispec.demo import METHODS, demo_options
 from verispec.engine.engine import Engine
 from verispec.errors import VerispecError
 
@@ -211,7 +211,9 @@ def test_demo_is_a_bench_run_of_its_methods(pair: tuple[str, str], tmp_path: Pat
     opts = replace(demo_options(str(tmp_path / "out")), model=pair[0], draft=pair[1], dataset=f"jsonl:{data}",
                    max_tokens=8, dtype="float32", max_len=MAX_LEN, progress=False)
     report = run_bench(opts)
-    assert [m["label"] for m in report["methods"]] == [BASELINE, "draft:k=5", "ngram:k=5", "hybrid:k=5"]
+    assert [m["label"] for m in report["methods"]] == [BASELINE, *METHODS.split(",")[1:2],
+                                                      "draft:policy=fixed,vocab=0,window=0,confidence=0",
+                                                      "ngram:policy=fixed"]
     assert all(c["exact_match"] == 1.0 for c in report["consistency"])
     assert "speedup_by_category.png" in report["plots"] and (tmp_path / "out" / "report.md").is_file()
 
