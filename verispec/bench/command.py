@@ -230,7 +230,7 @@ def _peer_ratios(rows: list[Any]) -> dict[str, Any]:
         key = plain.replace("-", "_")
         out["vs_" + key] = {r.method: r.tokens_per_s / tps[plain] if tps.get(plain) else None
                             for r in overall(rows)}
-        # Per category too, and the mean over Spec-Bench's categories (the unit of issue 10's goal).
+        # Per category too, and the mean over Spec-Bench's categories (Spec-Bench reports it so).
         by_cat = ratios_by_category(rows, plain)
         out[f"vs_{key}_by_category"] = by_cat
         out[f"spec_bench_mean_vs_{key}"] = {m: spec_bench_mean(c) for m, c in by_cat.items()}
