@@ -45,6 +45,16 @@ def build_tok_model(folder: Path) -> Path:
     return folder
 
 
+def build_no_template_model(folder: Path) -> Path:
+    """:func:`build_tok_model` whose tokenizer has no chat template; returns ``folder``."""
+    build_tok_model(folder)
+    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder
+
+
 def build_echo_store(root: Path, tokenizer: Any, prompts: list[list[int]], outputs: list[list[int]]) -> Path:
     """A datastore of prompts followed by the target's greedy outputs (as text), plus unrelated filler."""
     lines = [" ".join(tokenizer.convert_ids_to_tokens(p + out)) for p, out in zip(prompts, outputs, strict=True)]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import io
-import json
 import os
 import re
 import signal
@@ -12,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from drafters_common import build_tok_model
+from drafters_common import build_no_template_model, build_tok_model
 
 import verispec
 from verispec import Engine, SamplingParams, SpecConfig, VerispecError
@@ -32,12 +31,7 @@ def tok_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def no_template_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = build_tok_model(tmp_path_factory.mktemp("raw_model"))
-    (folder / "chat_template.jinja").unlink(missing_ok=True)
-    config = json.loads((folder / "tokenizer_config.json").read_text())
-    config.pop("chat_template", None)
-    (folder / "tokenizer_config.json").write_text(json.dumps(config))
-    return folder
+    return build_no_template_model(tmp_path_factory.mktemp("raw_model"))
 
 
 @pytest.fixture(scope="module")
