@@ -33,7 +33,7 @@ from verispec.bench.datasets import default_spec_bench, spec_bench
 from verispec.bench.hardware import machine
 from verispec.config import PLAIN
 from verispec.engine.batch import BatchEngine
-from verispec.engine.batch_step import BatchStats
+from verispec.engine.batch_step import EngineStats
 from verispec.engine.engine import GenerationResult
 from verispec.engine.metrics import Metrics
 
@@ -87,7 +87,7 @@ def percentile(values: list[float], q: float) -> float:
 def closed_loop(be: BatchEngine, prompts: list[list[int]], clients: int, params: SamplingParams,
                 spec: SpecConfig) -> dict[str, Any]:
     """Serve ``prompts`` keeping ``clients`` requests in flight; return throughput and latency figures."""
-    be.stats = BatchStats()
+    be.stats = EngineStats()
     queue = list(prompts)
     inflight = []
     done: list[tuple[Any, GenerationResult]] = []
@@ -263,7 +263,7 @@ def main() -> None:
     engine = Engine.from_pretrained(args.model, draft=args.draft if args.method == "draft" else None,
                                     dtype=args.dtype, weights=args.weights, draft_weights=args.draft_weights,
                                     device=args.device, max_len=args.max_len, progress=True)
-    be = BatchEngine(engine, max_batch=max(levels), max_len=args.max_len)
+    be = engine.with_config(max_batch=max(levels), max_len=args.max_len)
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=False)
     n = max(args.requests, 2 * max(levels))
     prompts = []

@@ -266,7 +266,7 @@ def check_batch(dev: str) -> dict:
                        ("draft cost vocab=128", SpecConfig("draft", k=4, k_policy="cost", draft_vocab=128))):
         eng = engine_for(target, other)
         alone = [eng.generate(p, pa, spec)[0].token_ids for p, pa in zip(ps, params, strict=True)]
-        batched = BatchEngine(eng, max_batch=4).generate_batch(ps, params, spec)
+        batched = eng.with_config(max_batch=4).generate(ps, params, spec)
         res[name] = [r.token_ids for r in batched] == alone
     res["ok"] = all(res.values())
     return res

@@ -46,7 +46,7 @@ def code_file(lines: int) -> str:
 def ttft(be: BatchEngine, ids: list[int], params: SamplingParams, spec: SpecConfig) -> dict[str, Any]:
     """Run one request to the end; its time to first token and what it reused."""
     prefilled, draft_reused = be.stats.prefill_tokens, be.stats.prefix_draft_reused_tokens
-    result = be.generate_batch([ids], params, spec)[0]
+    result = be.generate([ids], params, spec)[0]
     return {"ttft_s": result.metrics.ttft_s, "prompt_tokens": len(ids), "reused": result.metrics.prefix_reused_tokens,
             "prefilled": be.stats.prefill_tokens - prefilled,
             "draft_reused": be.stats.prefix_draft_reused_tokens - draft_reused, "tokens": result.token_ids,
@@ -77,11 +77,11 @@ def main() -> None:
     for method in args.specs.split(","):
         spec = SpecConfig(method="none", k=0) if method == "none" else SpecConfig(method=method, k=4,
                                                                                    k_policy="fixed")
-        on, off = (BatchEngine(engine, max_batch=2, prefix_reuse=reuse) for reuse in (True, False))
+        on, off = (engine.with_config(max_batch=2, prefix_reuse=reuse) for reuse in (True, False))
         for be in (on, off):  # one-off costs of a process's first forwards, on a short prompt
-            be.generate_batch([engine.encode("Hi.", chat=True)], SamplingParams(max_tokens=4), spec)
+            be.generate([engine.encode("Hi.", chat=True)], SamplingParams(max_tokens=4), spec)
         t0 = time.perf_counter()
-        answer = on.generate_batch([first_ids], SamplingParams(max_tokens=args.answer_tokens), spec)[0]
+        answer = on.generate([first_ids], SamplingParams(max_tokens=args.answer_tokens), spec)[0]
         turn_s = time.perf_counter() - t0
         follow = engine.encode(first + [{"role": "assistant", "content": answer.text},
                                         {"role": "user", "content": FOLLOW_UP}])

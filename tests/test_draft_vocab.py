@@ -203,14 +203,14 @@ def test_full_size_is_a_no_op(engine):
 @pytest.mark.parametrize("batch", [1, 3, 6])
 def test_batched_hybrid_equals_plain(engine, plain, batch):
     spec = SpecConfig(k_policy="fixed", method="hybrid", k=4, draft_vocab=N)
-    results = BatchEngine(engine, max_batch=batch).generate_batch(VOCAB_PROMPTS, GREEDY, spec)
+    results = engine.with_config(max_batch=batch).generate(VOCAB_PROMPTS, GREEDY, spec)
     assert [r.token_ids for r in results] == plain
 
 
 def test_batched_draft_uses_the_reduced_head(engine, plain):
     spec = SpecConfig(k_policy="fixed", method="draft", k=4, draft_vocab=N)
-    be = BatchEngine(engine, max_batch=4)
-    results = be.generate_batch(VOCAB_PROMPTS, GREEDY, spec)
+    be = engine.with_config(max_batch=4)
+    results = be.generate(VOCAB_PROMPTS, GREEDY, spec)
     assert [r.token_ids for r in results] == plain
     assert be.draft_model.reduced_forwards > 0
 

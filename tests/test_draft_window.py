@@ -102,7 +102,7 @@ def test_the_cost_policy_keeps_greedy_output(engine, plain):
 @pytest.mark.parametrize("method", ["draft", "hybrid"])
 def test_batched_output_equals_plain(engine, plain, method):
     spec = SpecConfig(k_policy="fixed", method=method, k=4, draft_window=W)
-    results = BatchEngine(engine, max_batch=3).generate_batch(WINDOW_PROMPTS, GREEDY, spec)
+    results = engine.with_config(max_batch=3).generate(WINDOW_PROMPTS, GREEDY, spec)
     assert [r.token_ids for r in results] == plain
 
 

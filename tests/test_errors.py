@@ -264,7 +264,7 @@ def test_token_ids_out_of_range(engine, bad):
 
 def test_a_bad_prompt_fails_the_batch_before_any_work(engine, monkeypatch):
     calls = []
-    monkeypatch.setattr(engine, "_generate_one", lambda *a, **kw: calls.append(a))
+    monkeypatch.setattr(engine, "step", lambda *a, **kw: calls.append(a))
     with pytest.raises(VerispecError):
         engine.generate([[3, 4], [2] * 100], SamplingParams(max_tokens=2))
     assert calls == []

@@ -72,7 +72,7 @@ def follow_up(first: list[int], answer: list[int], finish: str) -> tuple[list[in
 
 def assert_row_is_fresh(be: BatchEngine, slot: int, ids: list[int], engine: Engine, draft: bool = False) -> None:
     """The target row (and draft row) of ``slot`` hold, for ``ids[:-1]``, the K/V of a fresh prefill."""
-    fresh = BatchEngine(engine, max_batch=1, prefix_reuse=False)
+    fresh = engine.with_config(max_batch=1, prefix_reuse=False)
     fresh.submit(ids, SamplingParams(max_tokens=8), DRAFT if draft else PLAIN)
     fresh.step()  # admits, prefills (the draft reads its prompt in the first propose)
     n = len(ids) - 1
@@ -128,8 +128,8 @@ def test_scheduler_asks_where_to_put_a_request_and_cached_tokens_reserve_nothing
 @pytest.mark.parametrize("spec", ["plain", "draft"])
 def test_the_same_prompt_twice_prefills_nothing_the_second_time(engine, spec):
     p = prompt(40, seed=1)
-    be = BatchEngine(engine, max_batch=2)
-    first = be.generate_batch([p], GREEDY, SPECS[spec])[0]
+    be = engine.with_config(max_batch=2)
+    first = be.generate([p], GREEDY, SPECS[spec])[0]
     assert first.metrics.prefix_reused_tokens == 0 and be.stats.prefill_tokens == len(p) - 1
     catch_up = be.stats.catch_up_tokens
     h = be.submit(p, GREEDY, SPECS[spec])
@@ -148,16 +148,16 @@ def test_the_same_prompt_twice_prefills_nothing_the_second_time(engine, spec):
     assert summary["prefix_hits"] == 1 and summary["prefix_reused_tokens"] == len(p) - 1
     assert summary["requests"]["prefix_reused_tokens"] == len(p) - 1
 
-    off = BatchEngine(engine, max_batch=2, prefix_reuse=False)
-    assert [off.generate_batch([p], GREEDY, SPECS[spec])[0].token_ids for _ in range(2)] == [first.token_ids] * 2
+    off = engine.with_config(max_batch=2, prefix_reuse=False)
+    assert [off.generate([p], GREEDY, SPECS[spec])[0].token_ids for _ in range(2)] == [first.token_ids] * 2
     assert off.stats.prefill_tokens == 2 * (len(p) - 1) and off.stats.prefix_reused_tokens == 0
 
 
 @pytest.mark.parametrize("spec", ["plain", "draft"])
 def test_a_follow_up_turn_reuses_the_conversation_so_far(engine, spec):
     a = prompt(30, seed=2)
-    be = BatchEngine(engine, max_batch=2)
-    first = be.generate_batch([a], SamplingParams(max_tokens=24, ignore_eos=True), SPECS[spec])[0]
+    be = engine.with_config(max_batch=2)
+    first = be.generate([a], SamplingParams(max_tokens=24, ignore_eos=True), SPECS[spec])[0]
     b, kept = follow_up(a, first.token_ids, first.finish_reason)
     h = be.submit(b, GREEDY, SPECS[spec])
     be.step()
@@ -167,29 +167,29 @@ def test_a_follow_up_turn_reuses_the_conversation_so_far(engine, spec):
     assert h.result().token_ids == alone(engine, b, GREEDY, SPECS[spec])
     assert h.result().metrics.prefix_reused_tokens == kept
     # Two finish reasons: an answer cut at max_tokens and one that stopped at an EOS.
-    stopped = be.generate_batch([b], SamplingParams(max_tokens=100), SPECS[spec])[0]
+    stopped = be.generate([b], SamplingParams(max_tokens=100), SPECS[spec])[0]
     c, kept = follow_up(b, stopped.token_ids, stopped.finish_reason)
     assert {first.finish_reason, stopped.finish_reason} == {"length", "stop"}
-    third = be.generate_batch([c], GREEDY, SPECS[spec])[0]
+    third = be.generate([c], GREEDY, SPECS[spec])[0]
     assert third.metrics.prefix_reused_tokens == kept and third.token_ids == alone(engine, c, GREEDY, SPECS[spec])
 
 
 def conversation(be: BatchEngine, spec: SpecConfig, params: SamplingParams) -> list[list[int]]:
     """A mix of repeats, follow-ups, shorter and diverging prompts, one at a time and several at once."""
     a, x = prompt(40, seed=3), prompt(25, seed=4)
-    out = [r.token_ids for r in be.generate_batch([a, x], params, spec)]
+    out = [r.token_ids for r in be.generate([a, x], params, spec)]
     b = a + out[0] + TURN
-    out += [r.token_ids for r in be.generate_batch([b, a, x[:9]], params, spec)]
-    out += [r.token_ids for r in be.generate_batch([b + out[2] + TURN, other_first(x)], params, spec)]
-    out.append(be.generate_batch([a[:20] + x], params, spec)[0].token_ids)
+    out += [r.token_ids for r in be.generate([b, a, x[:9]], params, spec)]
+    out += [r.token_ids for r in be.generate([b + out[2] + TURN, other_first(x)], params, spec)]
+    out.append(be.generate([a[:20] + x], params, spec)[0].token_ids)
     return out
 
 
 @pytest.mark.parametrize("spec", list(SPECS))
 def test_outputs_are_the_same_with_and_without_reuse(engine, spec):
-    on = BatchEngine(engine, max_batch=2)
+    on = engine.with_config(max_batch=2)
     outputs = conversation(on, SPECS[spec], GREEDY)
-    assert outputs == conversation(BatchEngine(engine, max_batch=2, prefix_reuse=False), SPECS[spec], GREEDY)
+    assert outputs == conversation(engine.with_config(max_batch=2, prefix_reuse=False), SPECS[spec], GREEDY)
     assert on.stats.prefix_hits >= 4
     if SPECS[spec].method == "draft" and SPECS[spec].k_policy == "fixed":  # (the cost policy may never draft)
         assert on.stats.prefix_draft_reused_tokens > 0
@@ -198,16 +198,16 @@ def test_outputs_are_the_same_with_and_without_reuse(engine, spec):
 @pytest.mark.parametrize("spec", ["plain", "draft", "hybrid"])
 def test_seeded_sampling_draws_the_same_tokens_with_and_without_reuse(engine, spec):
     params = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, seed=1234, ignore_eos=True)
-    on = BatchEngine(engine, max_batch=2)
+    on = engine.with_config(max_batch=2)
     outputs = conversation(on, SPECS[spec], params)
-    assert outputs == conversation(BatchEngine(engine, max_batch=2, prefix_reuse=False), SPECS[spec], params)
+    assert outputs == conversation(engine.with_config(max_batch=2, prefix_reuse=False), SPECS[spec], params)
     assert on.stats.prefix_hits >= 4
 
 
 def test_a_cached_prefix_longer_than_the_prompt_or_diverging(engine):
     p = prompt(40, seed=5)
-    be = BatchEngine(engine, max_batch=1)
-    be.generate_batch([p], GREEDY, DRAFT)
+    be = engine.with_config(max_batch=1)
+    be.generate([p], GREEDY, DRAFT)
     cases = [(p[:10], 9),  # the row holds more than the prompt: keep all but its last token
              (other_first(p), 0),  # diverges at the first token
              (other_first(p)[:20] + [3, 4], 20),  # diverges after 20 tokens (of the request before)
@@ -224,13 +224,13 @@ def test_a_cached_prefix_longer_than_the_prompt_or_diverging(engine):
 
 def test_a_request_goes_to_the_slot_holding_its_prefix(engine):
     x, y, z = (prompt(MIN_MATCH + 6, seed=s) for s in (6, 7, 8))
-    be = BatchEngine(engine, max_batch=3)
-    first = be.generate_batch([x, y, z], SamplingParams(max_tokens=8))
+    be = engine.with_config(max_batch=3)
+    first = be.generate([x, y, z], SamplingParams(max_tokens=8))
     turns = [follow_up(ids, r.token_ids, r.finish_reason) for ids, r in zip((x, y, z), first, strict=True)]
     # One at a time, then two admitted in the same step: each finds its own conversation.
     (yb, y_kept), (zb, z_kept), (xb, x_kept) = turns[1], turns[2], turns[0]
-    ry = be.generate_batch([yb], GREEDY)[0]
-    rz, rx = be.generate_batch([zb, xb], GREEDY)
+    ry = be.generate([yb], GREEDY)[0]
+    rz, rx = be.generate([zb, xb], GREEDY)
     assert [r.metrics.prefix_reused_tokens for r in (ry, rz, rx)] == [y_kept, z_kept, x_kept]
     assert [r.token_ids for r in (ry, rz, rx)] == [alone(engine, ids) for ids in (yb, zb, xb)]
     # A request sharing nothing takes the least recently used slot: the one y's turn left first.
@@ -239,7 +239,7 @@ def test_a_request_goes_to_the_slot_holding_its_prefix(engine):
     assert be._running and next(iter(be._running)) == 1 and not fresh.done
     be.run_until_done()
     # z's follow-up still finds z's conversation (with its answer) where it was.
-    rz2 = be.generate_batch([zb + rz.token_ids + TURN], GREEDY)[0]
+    rz2 = be.generate([zb + rz.token_ids + TURN], GREEDY)[0]
     assert rz2.metrics.prefix_reused_tokens == len(zb) + len(rz.token_ids) - 1
 
 

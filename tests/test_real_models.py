@@ -14,7 +14,7 @@ from verispec.bench import datasets
 from verispec.cli import main
 from verispec.config import DEFAULT_SPEC, PLAIN
 from verispec.engine.batch import BatchEngine
-from verispec.engine.batch_policy import BatchCostModel, CostCurve
+from verispec.engine.batch_policy import CostModel, CostCurve
 
 TARGET, DRAFT, SMOL = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct", "smollm2-135m-instruct"
 
@@ -136,10 +136,10 @@ def test_batched_greedy_equals_each_request_alone_on_real_pair(pair: Engine) -> 
     # Given costs (memory-bound: speculation pays at any batch size) instead of a profile, which takes
     # minutes in fp32; the policy still chooses k per step from each row's acceptance. Frozen
     # (smoothing 0): measured times, draft reads included, would make its choices the host's.
-    costs = BatchCostModel(CostCurve({1: 0.1, 64: 0.1}, smoothing=0), CostCurve({1: 0.01, 64: 0.01}, smoothing=0),
+    costs = CostModel(CostCurve({1: 0.1, 64: 0.1}, smoothing=0), CostCurve({1: 0.01, 64: 0.01}, smoothing=0),
                            smoothing=0)
     for slots in (8, 3):
-        be = BatchEngine(pair, max_batch=slots, costs=costs)
+        be = pair.with_config(max_batch=slots, costs=costs)
         handles = [be.submit(text, SamplingParams(max_tokens=n), specs[i % len(specs)], chat=True)
                    for i, (text, n) in enumerate(zip(prompts, limits, strict=True))]
         be.run_until_done()

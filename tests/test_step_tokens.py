@@ -84,7 +84,7 @@ def test_callbacks_count_exactly_the_accepted_drafts(engine):
     assert m.accepted == sum(c.drafted for c in chunks) == 6 < m.drafted
 
     batch_chunks: list[StepTokens] = []
-    be = BatchEngine(engine, max_batch=2)
+    be = engine.with_config(max_batch=2)
     handle = be.submit("hello world", params, SELF_DRAFT, chat=True, on_tokens=batch_chunks.append)
     be.run_until_done()
     bm = handle.result().metrics

@@ -42,7 +42,15 @@ def resolve_dtype(name: str, device: str = "cpu") -> torch.dtype:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """What to load and how: target and optional draft model, precision, cache size."""
+    """What to load and how: target and optional draft model, precision, and the engine's slots.
+
+    ``max_batch`` requests run at once, one KV cache row ("slot") each of ``max_len`` tokens;
+    ``memory_limit`` (bytes of KV cache, target and draft together) lowers the slot count so the
+    caches fit, ``kv_budget_tokens`` caps the tokens running requests reserve (prompt + max_tokens
+    each; default: slots x max_len). ``prefill_chunk`` bounds the prompt tokens prefilled per step,
+    so a long prompt delays running requests by at most one chunk. ``prefix_reuse`` keeps a
+    finished request's KV in its slot for a later request sharing its prefix.
+    """
 
     model: str
     draft: str | None = None
@@ -61,6 +69,11 @@ class EngineConfig:
     draft_device: str | None = None  # None: device
     tp: int = 1  # tensor-parallel ranks for the target (see verispec.parallel.tp; launched with torchrun)
     kernels: str = "auto"  # int4/int8 matmuls: "auto" (verispec's small-M kernels where the CPU runs them) or "stock"
+    max_batch: int = 1
+    memory_limit: int | None = None
+    kv_budget_tokens: int | None = None
+    prefill_chunk: int = 512
+    prefix_reuse: bool = True
 
     def __post_init__(self) -> None:
         if self.target_device is None:
@@ -86,6 +99,14 @@ class EngineConfig:
             raise VerispecError(f"unknown kernels '{self.kernels}' (choose from {', '.join(KERNEL_CHOICES)})")
         if self.max_len < 2:
             raise VerispecError("max_len must be at least 2")
+        for name in ("max_batch", "prefill_chunk"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise VerispecError(f"{name} must be an integer >= 1 (got {value!r})")
+        for name in ("memory_limit", "kv_budget_tokens"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise VerispecError(f"{name} must be a positive integer or None (got {value!r})")
 
 
 def check_draft_vocab(n: object) -> None:

@@ -14,17 +14,21 @@ if TYPE_CHECKING:
 __all__ = ["DraftContext", "Drafter", "Proposal", "make_drafter"]
 
 
-def make_drafter(spec: SpecConfig, ctx: DraftContext) -> Drafter:
-    """Build the drafter ``spec.method`` names, for ``ctx``'s target (and draft model).
+def make_drafter(spec: SpecConfig, ctx: DraftContext) -> Drafter | None:
+    """Build the per-row drafter ``spec.method`` names, for ``ctx``'s target (and draft model).
 
-    ``spec.draft_vocab`` reduces the draft model's head and ``spec.draft_window`` the prompt it reads
-    (methods ``draft`` and ``hybrid`` with a draft model); drafters without a draft model ignore
-    them, so a server's default spec carrying them still serves requests that ask for ``ngram``.
+    The draft model itself is no per-row drafter: the engine's draft runner drafts for every row
+    that uses it, so method ``draft`` has none (None) and ``hybrid``'s is its lookups, which the
+    engine falls back from to the draft model. ``spec.draft_vocab`` reduces the draft model's head
+    and ``spec.draft_window`` the prompt it reads; methods without a draft model ignore them, so a
+    server's default spec carrying them still serves requests that ask for ``ngram``.
     """
+    if spec.method in ("draft", "hybrid") and ctx.draft is not None:
+        _check_draft_model(spec, ctx)
     if spec.method == "draft":
         if ctx.draft is None:
             raise VerispecError("method 'draft' needs a draft model (--draft)")
-        return _model_drafter(spec, ctx)
+        return None
     if spec.method == "ngram":
         from verispec.drafters.ngram import NgramDrafter
 
@@ -42,18 +46,16 @@ def make_drafter(spec: SpecConfig, ctx: DraftContext) -> Drafter:
     raise VerispecError(f"method '{spec.method}' is not available yet")
 
 
-def _model_drafter(spec: SpecConfig, ctx: DraftContext) -> Drafter:
-    from verispec.drafters.model import ModelDrafter
-    from verispec.drafters.vocab import special_token_ids
+def _check_draft_model(spec: SpecConfig, ctx: DraftContext) -> None:
+    from verispec.config import check_draft_window
+    from verispec.drafters.vocab import check_draft_vocab
 
+    check_draft_vocab(spec.draft_vocab)
+    check_draft_window(spec.draft_window)
     if spec.draft_vocab is not None and ctx.compiled:
         # The compiled forward (engine.compiled) has no head argument: it would score the full vocabulary.
         raise VerispecError(f"method '{spec.method}': a reduced draft vocabulary (vocab={spec.draft_vocab}) "
                             "does not work with --compile yet")
-    assert ctx.draft is not None
-    specials = special_token_ids(ctx.tokenizer, ctx.eos_ids) if spec.draft_vocab is not None else ()
-    return ModelDrafter(ctx.draft, ctx.cache_len, ctx.target.args.vocab_size, spec.min_confidence,
-                        spec.draft_vocab, specials, spec.draft_window)
 
 
 def _open_datastore(spec: SpecConfig, ctx: DraftContext) -> Datastore:
@@ -69,21 +71,18 @@ def _open_datastore(spec: SpecConfig, ctx: DraftContext) -> Datastore:
 
 
 def _make_hybrid(spec: SpecConfig, ctx: DraftContext) -> Drafter:
-    """N-gram (plus the datastore, if given) when the match is long, else the draft model.
+    """N-gram (plus the datastore, if given) when the match is long, else the engine's draft model.
 
-    Without a draft model the fallback is layer-skip on the target itself only when ``spec.layers``
-    asks for it: early exits of models not trained for them are rarely accepted (see
-    docs/drafters.md), so by default such steps decode plainly (lookup only).
+    Without a draft model, steps without a trusted match decode plainly (lookup only). Layer-skip
+    is no fallback: early exits of models not trained for them are rarely accepted (see
+    docs/drafters.md); it is a method of its own.
     """
     from verispec.drafters.hybrid import HybridDrafter
-    from verispec.drafters.layerskip import LayerSkipDrafter
     from verispec.drafters.ngram import NgramDrafter
     from verispec.drafters.retrieval import RetrievalDrafter
 
+    if spec.layers is not None and ctx.draft is None:
+        raise VerispecError("hybrid falls back to a draft model (--draft), not to layer-skip; "
+                            "use --method layerskip for early-exit drafts")
     retrieval = RetrievalDrafter(_open_datastore(spec, ctx)) if spec.datastore else None
-    model: Drafter | None = None
-    if ctx.draft is not None:
-        model = _model_drafter(spec, ctx)
-    elif spec.layers is not None:
-        model = LayerSkipDrafter(ctx.target, ctx.target_cache, spec.layers, spec.min_confidence)
-    return HybridDrafter(NgramDrafter(spec.ngram_max, spec.ngram_min), model, retrieval)
+    return HybridDrafter(NgramDrafter(spec.ngram_max, spec.ngram_min), retrieval)

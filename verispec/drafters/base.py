@@ -23,7 +23,7 @@ class DraftContext:
     """
 
     target: Transformer
-    target_cache: KVCache  # the target's one-row cache (layer-skip drafts on it)
+    target_cache: KVCache  # the target's cache, a row per engine slot (layer-skip drafts on its request's row)
     draft: Transformer | None  # a smaller same-tokenizer model, if the engine loaded one
     tokenizer: Any | None
     eos_ids: frozenset[int]
@@ -52,6 +52,12 @@ class Drafter(ABC):
     """
 
     name: str = "drafter"
+    # Seconds per drafted token as a share of a one-token target forward: what the cost policy charges
+    # for this drafter's proposals (0: a lookup, next to free).
+    forward_fraction: float = 0.0
+
+    def use_row(self, slot: int) -> None:  # noqa: B027 (optional hook)
+        """The next request runs in row ``slot`` of the engine's caches (called before :meth:`begin`)."""
 
     def begin(self, prompt: list[int]) -> None:  # noqa: B027 (optional hook)
         """A new request starts with ``prompt``."""
@@ -62,10 +68,6 @@ class Drafter(ABC):
 
     def commit(self, n_valid: int) -> None:  # noqa: B027 (optional hook)
         """The first ``n_valid`` tokens of the sequence are final; anything past them is not."""
-
-    def catch_up_tokens(self, seq: list[int]) -> int:
-        """Tokens of ``seq`` this drafter must still read (a forward of its own) before it can draft."""
-        return 0
 
     def free_tokens(self, seq: list[int], k: int, params: SamplingParams, generator: torch.Generator | None) -> int:
         """How many tokens (at most ``k``) this drafter would propose here at no draft cost and trusts.

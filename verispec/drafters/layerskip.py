@@ -40,7 +40,8 @@ def check_layers(layers: int, n_layers: int) -> None:
 
 
 class LayerSkipDrafter(Drafter):
-    """Drafts with the first ``layers`` layers of ``model`` over ``cache`` (the target's own cache).
+    """Drafts with the first ``layers`` layers of ``model`` over ``cache`` (the target's own cache, in
+    the row of its request's slot).
 
     Greedy requests get greedy drafts; sampled ones are drawn from ``probs_from_logits`` of the
     early-exit logits under the request's settings, and those distributions are returned as q.
@@ -57,13 +58,18 @@ class LayerSkipDrafter(Drafter):
         self.layers = default_layers(n) if layers is None else layers
         check_layers(self.layers, n)
         self.model, self.cache, self.min_confidence = model, cache, min_confidence
+        self.forward_fraction = self.layers / n
+        self.slot = 0
+
+    def use_row(self, slot: int) -> None:
+        self.slot = slot
 
     @torch.inference_mode()
     def propose(self, seq: list[int], k: int, params: SamplingParams, generator: torch.Generator | None) -> Proposal:
         start = len(seq) - 1
-        if self.cache.lengths[0] != start:
+        if self.cache.lengths[self.slot] != start:
             # The target cache must hold exactly seq[:-1], or shallow K/V would be missing or stale.
-            raise RuntimeError(f"layerskip: target cache holds {self.cache.lengths[0]} positions, "
+            raise RuntimeError(f"layerskip: target cache holds {self.cache.lengths[self.slot]} positions, "
                                f"expected {start}")
         k = min(k, self.cache.max_len - len(seq))
         device = self.model.device
@@ -73,7 +79,8 @@ class LayerSkipDrafter(Drafter):
         for i in range(k):
             pos = start + i
             logits = self.model(torch.tensor([[tok]], device=device), torch.tensor([[pos]], device=device),
-                                self.cache, kv_len=pos + 1, n_layers=self.layers)[0, -1]
+                                self.cache, kv_len=pos + 1, rows=slice(self.slot, self.slot + 1),
+                                n_layers=self.layers)[0, -1]
             tok, q = draft_token(logits, params, generator, self.min_confidence if tokens else 0.0)
             if tok is None:
                 break

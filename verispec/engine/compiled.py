@@ -1,7 +1,8 @@
 """Compilation bolted onto the plain forward (as gpt-fast does): nothing else changes.
 
 ``compile_model`` swaps a model's forward for a ``torch.compile``d version with static
-shapes. The attended length is always the whole cache (the mask hides what is not yet
+shapes: every slot of the engine's cache (the step covers them all) by a bucket of scored
+tokens, as nano-vllm captures a graph per batch size. The attended length is always the whole cache (the mask hides what is not yet
 written; the extra keys cost a few percent of a step's bytes), and the number of new tokens
 m is padded up to a few buckets, so each bucket compiles once and steady-state steps reuse
 the compiled graphs. Padding with trailing tokens is harmless: they
@@ -57,7 +58,8 @@ class CompiledForward:
     def __init__(self, model: Transformer, mode: str | None = None, inductor: bool = True,
                  buckets: tuple[int, ...] = M_BUCKETS) -> None:
         self.model = model
-        self.eager: Callable = model.forward
+        forward = model.forward
+        self.eager: Callable = forward.eager if isinstance(forward, CompiledForward) else forward  # recompiling
         self.compiled = torch.compile(self.eager, dynamic=False, mode=mode) if inductor else self.eager
         self.buckets = buckets
         self.cuda_graphs = model.device.type == "cuda"
@@ -68,7 +70,9 @@ class CompiledForward:
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, kv_len: int | None = None,
                  rows: slice = slice(None), last_only: bool = False, n_layers: int | None = None) -> torch.Tensor:
         b, m = tokens.shape
-        if self.failed or m > self.buckets[-1]:  # long prefills run eagerly: one-off shapes
+        # Compiled shapes cover the whole cache (every slot): a prefill or catch-up of one row, and long
+        # prefills, run eagerly (one-off shapes).
+        if self.failed or m > self.buckets[-1] or rows != slice(None):
             return self.eager(tokens, positions, cache, kv_len, rows, last_only, n_layers)
         mb = _bucket(m, self.buckets)
         if mb != m:
@@ -128,32 +132,28 @@ class CompiledForward:
 
 def compile_model(model: Transformer, cache_len: int, warmup: tuple[int, ...] = (1,),
                   mode: str | None = None, inductor: bool = True,
-                  buckets: tuple[int, ...] = M_BUCKETS) -> CompiledForward:
+                  buckets: tuple[int, ...] = M_BUCKETS, batch: int = 1) -> CompiledForward:
     """Compile ``model``'s forward in place and warm up the m buckets in ``warmup``.
 
-    Graphs are specialised to the cache size, so ``cache_len`` must be the length of the caches
-    the model will run with. On CUDA, CUDA graphs are captured per cache on first use.
+    Graphs are specialised to the cache's shape, so ``cache_len`` and ``batch`` (its rows) must be
+    those of the caches the model will run with; only forwards over every row of such a cache run
+    compiled. On CUDA, CUDA graphs are captured per cache on first use.
     """
     wrapper = CompiledForward(model, mode, inductor, buckets)
     model.forward = wrapper  # type: ignore[method-assign]
     if not inductor:
         return wrapper  # CUDA graphs are captured per cache on first use; nothing to compile
-    cache = model.new_cache(1, cache_len)
+    cache = model.new_cache(batch, cache_len)
     t0 = time.perf_counter()
     with torch.inference_mode():
         # The compiled function directly, not the graph path: graphs of this throwaway cache
         # would be captured only to be dropped.
         try:
             for m in sorted({_bucket(m, buckets) for m in warmup}):
-                wrapper.compiled(torch.zeros(1, m, dtype=torch.long, device=model.device),
-                                 torch.arange(m, device=model.device).unsqueeze(0), cache, cache_len, slice(None),
-                                 False, None)
+                wrapper.compiled(torch.zeros(batch, m, dtype=torch.long, device=model.device),
+                                 torch.arange(m, device=model.device).expand(batch, -1), cache, cache_len,
+                                 slice(None), False, None)
         except Exception as e:
             wrapper.fail(e)
     logger.info("compiled the forward for m in %s in %.1f s", warmup, time.perf_counter() - t0)
     return wrapper
-
-
-def cache_slack() -> int:
-    """Extra cache positions a compiled model needs beyond max_len for bucket padding."""
-    return M_BUCKETS[-1]

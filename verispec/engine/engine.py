@@ -1,12 +1,33 @@
-"""The engine: loads a target (and optionally a draft model) and generates, plain or speculative."""
+"""The engine: loads a target (and optionally a draft model) and generates, plain or speculative.
+
+One engine for one request or many (after nano-vllm): ``max_batch`` slots, each a row of the
+target's KV cache and of the draft model's (:class:`~verispec.engine.draft_runner.DraftRunner`).
+:meth:`Engine.submit` queues a request; :meth:`Engine.step` schedules (admits queued requests
+into free slots, FIFO within the KV budget, :mod:`verispec.engine.scheduler`), runs (prefills a
+bounded chunk of new prompts, then one speculative step for every ready row,
+:func:`~verispec.engine.step.speculative_step`) and postprocesses (stop conditions, streaming,
+freeing slots). :meth:`Engine.generate` submits and steps until its requests are done; a single
+request is a batch of one.
+
+A finished request's KV stays in its slot, and a later request sharing a prefix with it is placed
+there and prefills only the rest (:mod:`verispec.engine.prefix`). A request whose work raises
+fails alone: its handle gets the error, its slot is freed, and the step goes on without it; the
+other requests, and what the engine learned about costs, are untouched.
+
+The engine starts no threads and is not thread-safe: one thread drives it (the server's worker,
+or a caller waiting on a handle). With the ``cost`` k policy a step's k depends on the batch
+(:mod:`verispec.engine.policy`): greedy outputs stay identical to plain decoding and sampled ones
+exactly distributed, but which seeded sample a request gets then depends on load.
+"""
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from functools import partial
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
@@ -14,19 +35,17 @@ from verispec import hub
 from verispec.config import PLAIN, EngineConfig, SpecConfig, resolve_dtype
 from verispec.drafters import make_drafter
 from verispec.drafters.base import DraftContext, Drafter
-from verispec.engine.compiled import cache_slack, compile_model
-from verispec.engine.metrics import Metrics, seconds_of
-from verispec.engine.policy import (
-    PROFILE_K,
-    Acceptance,
-    AnswerLengths,
-    ContextCost,
-    CostModel,
-    make_policy,
-    per_position_s,
-)
+from verispec.drafters.hybrid import HybridDrafter
+from verispec.drafters.vocab import special_token_ids
+from verispec.engine.compiled import compile_model
+from verispec.engine.costs import PROFILE_K, CostModel, profile_costs
+from verispec.engine.draft_runner import MAX_LOCKSTEP_FEED, DraftRunner
+from verispec.engine.metrics import Metrics
+from verispec.engine.policy import AnswerLengths, CostPolicy, RowPlan, request_policy
 from verispec.engine.prefix import SlotPrefixes, held_tokens
-from verispec.engine.step import speculative_step
+from verispec.engine.request import GenerationResult, OnTokens, Request, RequestHandle
+from verispec.engine.scheduler import Scheduler
+from verispec.engine.step import EngineStats, Row, StepReport, speculative_step
 from verispec.engine.stopping import StepTokens, append_tokens, final_text, k_cap
 from verispec.errors import VerispecError
 from verispec.log import logger
@@ -37,23 +56,12 @@ from verispec.sampling import SamplingParams
 
 Prompt = str | list[int] | list[dict[str, str]]
 
+__all__ = ["Engine", "GenerationResult", "Prompt", "RequestHandle", "check_tokenizers_match"]
 
-@dataclass
-class GenerationResult:
-    """One request's output: text (when a tokenizer is present), token ids and what it measured."""
-
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str | None
-    finish_reason: str  # "stop" (EOS or a stop string), "length" or "cancelled"
-    metrics: Metrics = field(repr=False)
-
-
-class TargetTiming(NamedTuple):
-    """The target's part of a profile: seconds to score 1..k_max+1 tokens, and per scored token and further position."""
-
-    verify_s: list[float]
-    per_position_s: float
+# Cache positions past max_len: a row padded to the step's widest k + 1 (k <= 64) writes up to 64
+# positions past its own end, the lockstep draft catch-up a few more, and a compiled forward pads
+# the scored tokens up to its bucket (at most 32).
+SLACK = 64 + 1 + MAX_LOCKSTEP_FEED + 4
 
 
 def check_tokenizers_match(target_tok: Any, draft_tok: Any, target_vocab: int, draft_vocab: int) -> None:
@@ -79,43 +87,86 @@ def check_tokenizers_match(target_tok: Any, draft_tok: Any, target_vocab: int, d
         raise VerispecError(f"tokenizer has {len(vt)} tokens but a model embeds only {min(target_vocab, draft_vocab)}")
 
 
-class Engine:
-    """Generates from a target model, optionally speculating with a drafter.
+class _DrafterPool:
+    """Per-row drafters (n-gram, retrieval, layer-skip, hybrid's lookups), one per running request.
 
-    Build with :meth:`from_pretrained`; call :meth:`generate`. Requests run one at a time on a
-    one-row target cache; with ``prefix_reuse`` (default True) the row keeps a finished request's
-    K/V, and the next request prefills only what its prompt does not share with it
-    (:mod:`verispec.engine.prefix`; drafters begin afresh either way).
+    Drafters keep per-sequence state, so two rows never share one; finished requests return
+    theirs for reuse (``begin`` resets it), so a drafter is built at most once per slot.
+    """
+
+    def __init__(self, ctx: DraftContext) -> None:
+        self.ctx = ctx
+        self.free: dict[str, list[Drafter]] = {}
+
+    def acquire(self, spec: SpecConfig) -> Drafter | None:
+        pool = self.free.setdefault(spec.drafter_key, [])
+        return pool.pop() if pool else make_drafter(spec, self.ctx)
+
+    def release(self, spec: SpecConfig, drafter: Drafter) -> None:
+        self.free.setdefault(spec.drafter_key, []).append(drafter)
+
+
+class Engine:
+    """Generates from a target model, optionally speculating with a drafter, for one request or many.
+
+    Build with :meth:`from_pretrained` (keyword arguments are :class:`EngineConfig` fields,
+    ``max_batch`` among them); call :meth:`generate`, or :meth:`submit` and :meth:`step`. ``costs``
+    gives the cost policy a measured :class:`~verispec.engine.costs.CostModel` (default: profiled
+    on first use, see :meth:`profile`).
     """
 
     def __init__(self, config: EngineConfig, target: Transformer, tokenizer: Any | None, eos_ids: set[int],
-                 draft: Transformer | None = None, draft_tokenizer: Any | None = None) -> None:
+                 draft: Transformer | None = None, draft_tokenizer: Any | None = None,
+                 costs: CostModel | None = None) -> None:
         self.config = config
         for model in (target, draft):
             if model is not None and config.max_len > model.args.max_position_embeddings:
                 raise VerispecError(f"max_len {config.max_len} exceeds the model's context length "
                                     f"{model.args.max_position_embeddings}")
-        self.target, self.tokenizer, self.draft = target, tokenizer, draft
+        self.target, self.tokenizer, self.draft, self.draft_tokenizer = target, tokenizer, draft, draft_tokenizer
         self.eos_ids = set(eos_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_ids.add(tokenizer.eos_token_id)
         if draft is not None:
             check_tokenizers_match(tokenizer, draft_tokenizer, target.args.vocab_size, draft.args.vocab_size)
-        # A compiled forward pads m up to a bucket; slack positions keep padding off real entries.
-        self.cache_len = config.max_len + (cache_slack() if config.compile else 0)
-        self.cache = target.new_cache(1, self.cache_len)
-        self.prefix_reuse = True
-        self._prefixes = SlotPrefixes(1)  # the tokens row 0 holds after the last request
-        if config.compile:
-            compile_model(target, self.cache_len, warmup=tuple(range(1, config.compile_k + 2)))
+        rope_len = min(m.rope_cos.shape[0] for m in (target, draft) if m is not None)
+        self.max_len = min(config.max_len, rope_len - SLACK)
+        if self.max_len < 2:
+            raise VerispecError(f"the model's {rope_len} positions leave no room for a context")
+        cache_len = self.max_len + SLACK
+        per_token = _kv_bytes_per_token(target) + (_kv_bytes_per_token(draft) if draft is not None else 0)
+        slots = config.max_batch
+        if config.memory_limit is not None:
+            slots = min(slots, config.memory_limit // (cache_len * per_token))
+            if slots < 1:
+                raise VerispecError(f"memory_limit {config.memory_limit} B holds no slot of {self.max_len} tokens "
+                                    f"({cache_len * per_token} B each); lower max_len or raise the limit")
+        budget = slots * self.max_len if config.kv_budget_tokens is None else \
+            min(config.kv_budget_tokens, slots * self.max_len)
+        self._prefixes = SlotPrefixes(slots)  # per free slot: the tokens its target row holds
+        self.scheduler: Scheduler[Request] = Scheduler(slots, budget, self.max_len,
+                                                       self._choose_slot if config.prefix_reuse else None)
+        self.cache = target.new_cache(slots, cache_len)
+        if config.compile:  # static shapes: every step covers all slots, scored tokens padded to buckets
+            compile_model(target, cache_len, warmup=tuple(range(1, config.compile_k + 2)), batch=slots)
             if draft is not None:
-                compile_model(draft, self.cache_len, warmup=(1, 2))
-        self._drafters: dict[str, Drafter] = {}
-        self._costs: dict[str, CostModel] = {}
-        self._target_timings: dict[int, TargetTiming] = {}  # per profiled k_max: shared by every drafter's costs
-        # Per drafter, over all requests: where a new request's acceptance estimate starts.
-        self._seen_acceptance: dict[str, Acceptance] = {}
+                compile_model(draft, cache_len, warmup=(1, 2), batch=slots)
+        self.draft_runner = (DraftRunner(draft, slots, cache_len, target.args.vocab_size,
+                                         special_token_ids(tokenizer, self.eos_ids), full_span=config.compile)
+                             if draft is not None else None)
+        self.costs = costs
+        self.policy: CostPolicy | None = None if costs is None else CostPolicy(costs)
+        self.stats = EngineStats()
         self.answer_lengths = AnswerLengths()  # how long answers run: the cost policy's horizon
+        self._drafters = _DrafterPool(self.draft_context)
+        self._running: dict[int, Request] = {}  # slot -> request, in admission order
+        self._by_handle: dict[RequestHandle, Request] = {}  # every request not finished yet
+        self._ids = itertools.count()
+        self._failed: BaseException | None = None
+        logger.info("engine: %d slot%s of %d tokens, KV budget %d tokens (%.1f MiB of caches)", slots,
+                    "s" if slots > 1 else "", self.max_len, budget,
+                    (self.cache.nbytes() + (self.draft_runner.cache.nbytes() if self.draft_runner else 0)) / 2**20)
+
 
     @classmethod
     def from_pretrained(cls, model: str, draft: str | None = None, **kwargs: Any) -> Engine:
@@ -155,6 +206,16 @@ class Engine:
                     f" with draft {draft} ({config.draft_weights})" if draft else "")
         return cls(config, target, tokenizer, src.eos_token_ids, draft_model, draft_tok)
 
+    def with_config(self, costs: CostModel | None = None, **fields: Any) -> Engine:
+        """A new engine over the same loaded models, with ``fields`` of its :class:`EngineConfig` changed
+        (slots: ``max_batch``, ``memory_limit``, ``kv_budget_tokens``, ``prefill_chunk``, ``prefix_reuse``;
+        ``max_len``). It has caches of its own, and ``costs`` or else this engine's cost model when that
+        covers its slots (the profile measures batch sizes up to the slot count)."""
+        config = replace(self.config, **fields)
+        if costs is None and config.max_batch <= self.config.max_batch:
+            costs = self.costs
+        return Engine(config, self.target, self.tokenizer, self.eos_ids, self.draft, self.draft_tokenizer, costs)
+
     def describe(self, spec: SpecConfig | None = None) -> dict[str, Any]:
         """The configuration a request with ``spec`` (None: plain decoding) runs, every value resolved.
 
@@ -172,119 +233,6 @@ class Engine:
                 "k_policy": spec.k_policy, "k": spec.k, "confidence": spec.min_confidence,
                 "draft_vocab": spec.draft_vocab, "draft_window": spec.draft_window,
                 "kernels": matmul_kernels(self.target, self.draft)}
-
-    # -- drafters -------------------------------------------------------------------------
-
-    @property
-    def draft_context(self) -> DraftContext:
-        """What drafters for this engine are built from (its models, cache and tokenizer)."""
-        return DraftContext(self.target, self.cache, self.draft, self.tokenizer, frozenset(self.eos_ids),
-                            self.cache_len, self.config.compile)
-
-    def drafter(self, spec: SpecConfig) -> Drafter | None:
-        """The drafter for ``spec`` (created once and reused across requests)."""
-        if not spec.enabled:
-            return None
-        key = spec.drafter_key
-        if key not in self._drafters:
-            self._drafters[key] = make_drafter(spec, self.draft_context)
-        return self._drafters[key]
-
-    def cost_model(self, spec: SpecConfig, drafter: Drafter, k_max: int | None = None) -> CostModel:
-        """Measured draft and verification costs for ``spec``'s drafter: profiled once, then refreshed online.
-
-        The first use profiles k up to ``k_max`` (default: the larger of ``spec.k`` and
-        :data:`~verispec.engine.policy.PROFILE_K`); the target's part of it is measured once per
-        ``k_max`` and shared by every drafter's model. A request asking for a larger k later is
-        priced by extending the verification curve (:meth:`CostModel.score_s`), never profiled
-        again: a server profiles up front, for its largest k, before it serves.
-        """
-        key = spec.drafter_key
-        costs = self._costs.get(key)
-        if costs is None:
-            k_max = max(spec.k, PROFILE_K) if k_max is None else k_max
-            costs = self._costs[key] = self.profile(drafter, k_max, target=self._target_timings.get(k_max))
-            self._target_timings.setdefault(k_max, TargetTiming(list(costs.verify_s), costs.per_position.target_s))
-        return costs
-
-    @torch.inference_mode()
-    def profile(self, drafter: Drafter | None, k_max: int, context: int = 64, reps: int = 5,
-                long_context: int | None = None, target: TargetTiming | None = None) -> CostModel:
-        """Time target forwards of 1..k_max+1 tokens and one draft token on a dummy context.
-
-        What each further position of context costs is timed at ``long_context`` (default 8 x
-        ``context``, within ``max_len``; not at all if that is not longer): a request spends most
-        of its steps far past a 64-token context. ``target`` reuses the target's timings from an
-        earlier profile at the same ``k_max`` and contexts (only the drafter is timed then).
-        """
-        vocab = self.target.args.vocab_size
-        context = max(2, min(context, self.config.max_len - k_max - 2))
-        long_context = max(context, min(8 * context if long_context is None else long_context,
-                                        self.config.max_len - k_max - 2))
-        seq = [(7 * i + 3) % vocab for i in range(long_context)]
-        self._prefixes.forget(0)
-        self.cache.reset(0)
-        dev = self.target.device
-        self.target(torch.tensor([seq[:context - 1]], device=dev), torch.arange(context - 1, device=dev).unsqueeze(0),
-                    self.cache, last_only=True)
-        self.cache.lengths[0] = context - 1  # it holds seq[:context - 1], as a drafter sharing it (layerskip) needs
-
-        def score_s(at: int, m: int) -> float:  # keys past what was written are stale: same time
-            tokens = torch.tensor([[(7 * i + 3) % vocab for i in range(m)]], device=dev)  # m even past seq's end
-            pos = torch.arange(at - 1, at - 1 + m, device=dev).unsqueeze(0)
-            times = seconds_of(lambda: self.target(tokens, pos, self.cache, kv_len=at - 1 + m), dev, reps, warmup=0)
-            return min(times)  # noise only ever adds time
-
-        widths = (1, k_max + 1) if long_context > context else ()
-        if target is not None and len(target.verify_s) == k_max + 1:
-            verify_s, target_per_position = list(target.verify_s), target.per_position_s
-        else:
-            verify_s = [score_s(context, m) for m in range(1, k_max + 2)]
-            target_per_position = per_position_s({(1, m): verify_s[m - 1] for m in widths},
-                                                 {(1, m): score_s(long_context, m) for m in widths}, context,
-                                                 long_context)
-        draft_s = catch_up_s = draft_per_position = 0.0
-        if drafter is not None:
-            greedy = SamplingParams(max_tokens=k_max + 1)
-            short = seq[:context]
-            drafter.begin(short)
-            reads = drafter.catch_up_tokens(short)
-            drafter.propose(short, 1, greedy, None)  # warm-up, and catch up on the context
-            catch_up = []
-            for _ in range(2 if reads else 0):
-                drafter.begin(short)
-                t0 = time.perf_counter()
-                drafter.propose(short, 1, greedy, None)
-                catch_up.append(time.perf_counter() - t0)
-            draft_s = self._draft_token_s(drafter, short, greedy, reps)
-            if reads:
-                catch_up_s = max(0.0, min(catch_up) - draft_s) / reads
-            if widths:
-                # Timing only: a drafter reading the target's cache sees the long context's length (what
-                # lies past the prefilled part is dummies; the cache is reset below).
-                self.cache.lengths[0] = long_context - 1
-                drafter.begin(seq)
-                drafter.propose(seq, 1, greedy, None)  # catch up on the long context
-                draft_per_position = per_position_s({(1, 1): draft_s},
-                                                    {(1, 1): self._draft_token_s(drafter, seq, greedy, reps)},
-                                                    context, long_context)
-        self.cache.reset(0)
-        logger.info("profiled costs at %d-token context: draft %.1f ms/token, catch-up %.2f ms/token, verify %s ms; "
-                    "per token and further position: target %.2g s, draft %.2g s", context, draft_s * 1e3,
-                    catch_up_s * 1e3, [round(t * 1e3, 1) for t in verify_s], target_per_position, draft_per_position)
-        return CostModel(draft_s, verify_s, catch_up_s,
-                         per_position=ContextCost(context, target_per_position, draft_per_position))
-
-    @staticmethod
-    def _draft_token_s(drafter: Drafter, seq: list[int], greedy: SamplingParams, reps: int) -> float:
-        """The fastest of ``reps`` proposals after ``seq`` (already read), per drafted token."""
-        per_token = []
-        for _ in range(reps):
-            drafter.commit(len(seq) - 1)
-            t0 = time.perf_counter()
-            n = len(drafter.propose(seq, 4, greedy, None).tokens)
-            per_token.append((time.perf_counter() - t0) / max(n, 1))
-        return min(per_token)
 
     # -- tokenization ---------------------------------------------------------------------
 
@@ -315,24 +263,138 @@ class Engine:
             if bos is None:
                 raise VerispecError("the prompt is empty and this model has no BOS token to start from")
             ids = [bos]
-        if len(ids) >= self.config.max_len:
-            raise VerispecError(f"the prompt has {len(ids)} tokens but the context holds {self.config.max_len} "
+        if len(ids) >= self.max_len:
+            raise VerispecError(f"the prompt has {len(ids)} tokens but the context holds {self.max_len} "
                                 "(one position must be left to generate)")
         return ids
 
     def decode(self, ids: list[int]) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    # -- generation -----------------------------------------------------------------------
+    # -- state ----------------------------------------------------------------------------
 
-    def generate(self, prompts: Prompt | list[Prompt], params: SamplingParams | None = None,
-                 spec: SpecConfig | None = None, chat: bool = False,
+    @property
+    def slots(self) -> int:
+        return self.scheduler.slots
+
+    @property
+    def prefix_reuse(self) -> bool:
+        """Whether finished requests' KV stays for later requests sharing a prefix (``config.prefix_reuse``)."""
+        return self.config.prefix_reuse
+
+    @property
+    def free_slots(self) -> int:
+        return self.scheduler.free_slots
+
+    @property
+    def kv_budget_tokens(self) -> int:
+        return self.scheduler.budget
+
+    @property
+    def kv_used_tokens(self) -> int:
+        """KV tokens reserved by running requests (prompt + max_tokens each)."""
+        return self.scheduler.used_tokens
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._running or self.scheduler.waiting)
+
+    @property
+    def failed(self) -> BaseException | None:
+        """The BaseException that stopped the engine (None while it runs; see :meth:`reset`)."""
+        return self._failed
+
+    @property
+    def draft_context(self) -> DraftContext:
+        """What per-row drafters for this engine are built from (its models, cache and tokenizer)."""
+        return DraftContext(self.target, self.cache, self.draft, self.tokenizer, frozenset(self.eos_ids),
+                            self.max_len + SLACK, self.config.compile)
+
+    def drafter(self, spec: SpecConfig) -> Drafter | None:
+        """A new per-row drafter for ``spec`` (None for plain decoding and for method ``draft``, whose
+        drafts come from the engine's draft runner); raises a :class:`VerispecError` if it cannot be built."""
+        return make_drafter(spec, self.draft_context) if spec.enabled else None
+
+    def check_spec(self, spec: SpecConfig) -> None:
+        """Raise a :class:`VerispecError` unless this engine can speculate as ``spec`` says (plain always can).
+
+        Builds (and so validates) one drafter for ``spec`` up front.
+        """
+        if spec.enabled:
+            drafter = self._drafters.acquire(spec)
+            if drafter is not None:
+                self._drafters.release(spec, drafter)
+
+    # -- requests -------------------------------------------------------------------------
+
+    def submit(self, prompt: Prompt, params: SamplingParams | None = None, spec: SpecConfig | None = None,
+               chat: bool = False, on_tokens: OnTokens | None = None, drafter: Drafter | None = None) -> RequestHandle:
+        """Queue one request; returns its handle at once (:meth:`step` runs it).
+
+        ``on_tokens(tokens)`` is called with the tokens each step adds (a
+        :class:`~verispec.engine.stopping.StepTokens`: ``tokens.drafted`` of them accepted drafts);
+        returning False cancels the request. ``drafter`` plugs in a custom :class:`Drafter` for this
+        request instead of the one ``spec.method`` names (``spec`` must speculate; its k and k policy
+        apply). Raises :class:`VerispecError` at once for a request that can never run: a prompt +
+        max_tokens beyond the context or KV budget, stop strings without a tokenizer, a method this
+        engine cannot serve.
+        """
+        params = params or SamplingParams()
+        spec = spec or PLAIN
+        ids = self.encode(prompt, chat)
+        self._check_request(ids, params, spec, drafter)
+        if self._failed is not None:
+            raise VerispecError(f"the engine stopped after an error: {self._failed!r}")
+        handle = RequestHandle(self, next(self._ids), ids)
+        req = Request(handle, ids, params, spec, on_tokens, Metrics(requests=1, prompt_tokens=len(ids)),
+                      drafter=drafter, kpolicy=request_policy(spec) if spec.enabled else None)
+        self.scheduler.submit(req, self._reserve(ids, params))
+        self._by_handle[handle] = req
+        return handle
+
+    def _reserve(self, ids: list[int], params: SamplingParams) -> int:
+        # A request never holds more than its slot: one whose max_tokens runs past the context ends
+        # there (finish reason "length"), as a lone request always has.
+        return min(len(ids) + params.max_tokens, self.max_len)
+
+    def _check_request(self, ids: list[int], params: SamplingParams, spec: SpecConfig,
+                       drafter: Drafter | None) -> None:
+        if params.stop and self.tokenizer is None:
+            raise VerispecError("stop strings need a tokenizer")
+        self.scheduler.check(self._reserve(ids, params))
+        if drafter is not None and not spec.enabled:
+            raise VerispecError("a custom drafter needs a spec that speculates (method other than 'none')")
+        if drafter is None:
+            self.check_spec(spec)
+
+    def cancel(self, handle: RequestHandle) -> bool:
+        """Cancel ``handle``'s request: its slot and KV tokens are free when this returns."""
+        req = self._by_handle.get(handle)
+        if req is None or req.done:
+            return False
+        if req.row is None:
+            self.scheduler.remove_waiting(req)
+        self._finish(req, "cancelled")
+        return True
+
+    def generate(self, prompts: Prompt | list[Prompt], params: SamplingParams | list[SamplingParams] | None = None,
+                 spec: SpecConfig | list[SpecConfig] | None = None, chat: bool = False,
                  drafter: Drafter | None = None,
                  on_tokens: Callable[[int, list[int]], bool | None] | None = None) -> list[GenerationResult]:
-        """Generate for one prompt or a list of prompts; returns one result per prompt.
+        """Generate for one prompt or a list of prompts; returns one result per prompt, in order.
 
-        ``spec=None`` decodes plainly. ``drafter`` plugs in a custom :class:`Drafter` instead of
-        the one ``spec.method`` names (``spec.k`` still applies). Every prompt is encoded and
+        ``params`` and ``spec`` are one for all or one per prompt; ``spec=None`` decodes plainly.
+        Up to ``max_batch`` prompts run at once. ``drafter`` plugs in a custom :class:`Drafter`
+        instead of the one ``spec.method`` names (``spec.k`` still applies); it keeps one
+        sequence's state, so its prompts run one after another. Every prompt is encoded and
         checked before any work starts, so one bad prompt costs nothing.
 
         ``on_tokens(i, tokens)`` is called after every step with the tokens prompt ``i`` just
@@ -340,79 +402,392 @@ class Engine:
         ``tokens`` is a :class:`~verispec.engine.stopping.StepTokens`: a list whose ``drafted``
         attribute counts its leading tokens that were accepted drafts.
         """
-        params = params or SamplingParams()
-        spec = spec or PLAIN
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int | dict)):
             prompts = [prompts]
-        if params.stop and self.tokenizer is None:
-            raise VerispecError("stop strings need a tokenizer")
+        n = len(prompts)
+        params_l = params if isinstance(params, list) else [params or SamplingParams()] * n
+        spec_l = spec if isinstance(spec, list) else [spec or PLAIN] * n
+        if len(params_l) != n or len(spec_l) != n:
+            raise VerispecError("give one params and one spec for all prompts, or one per prompt")
         encoded = [self.encode(p, chat) for p in prompts]
-        if drafter is None:
-            drafter = self.drafter(spec)
-        return [self._generate_one(ids, params, spec, drafter, on_tokens and partial(on_tokens, i))
-                for i, ids in enumerate(encoded)]
-
-    @torch.inference_mode()
-    def _generate_one(self, prompt: list[int], params: SamplingParams, spec: SpecConfig, drafter: Drafter | None,
-                      on_tokens: Callable[[list[int]], bool | None] | None) -> GenerationResult:
-        # Before the prefill and the clock: a first use of the cost policy profiles on this cache.
-        costs = self.cost_model(spec, drafter) if spec.k_policy == "cost" and drafter else None
-        # The cost policy starts from what this drafter achieved on earlier requests.
-        seen = None if costs is None else \
-            self._seen_acceptance.setdefault(spec.drafter_key, Acceptance(decay=0.98))
-        policy = make_policy(spec, costs, None if seen is None else seen.rate)
-        m = Metrics(requests=1, prompt_tokens=len(prompt))
-        t0 = time.perf_counter()
-        # On the target's device: verification samples there (the draft keeps its own if elsewhere).
-        generator = None if params.greedy else params.generator(self.target.device)
-        seq = list(prompt)
-        # Prefill all but the last prompt token (the first step scores it with the first draft), from
-        # what the last request left in the row that this prompt starts with. The record counts only
-        # if the row still has the length it left with (nothing else rolled it back or reset it).
-        if not self.prefix_reuse or len(self._prefixes.held(0)) != self.cache.lengths[0]:
-            self._prefixes.forget(0)
-        done = self.cache.lengths[0] = m.prefix_reused_tokens = self._prefixes.claim(0, prompt)
-        if len(prompt) - 1 > done:
-            with m.timed("prefill"):
-                dev = self.target.device
-                pos = torch.arange(done, len(prompt) - 1, device=dev).unsqueeze(0)
-                self.target(torch.tensor([prompt[done:-1]], device=dev), pos, self.cache, last_only=True)
-                self.cache.lengths[0] = len(prompt) - 1
+        for ids, p, s in zip(encoded, params_l, spec_l, strict=True):
+            self._check_request(ids, p, s, drafter)
+        jobs = [(ids, p, s, on_tokens and partial(on_tokens, i))
+                for i, (ids, p, s) in enumerate(zip(encoded, params_l, spec_l, strict=True))]
         if drafter is not None:
-            drafter.begin(prompt)
-        out: list[int] = []
-        finish = None
-        while finish is None:
-            room = self.config.max_len - len(seq)  # positions left; a step uses k + 1 of them
-            if room < 1:
-                finish = "length"
+            return [self.submit(ids, p, s, on_tokens=cb, drafter=drafter).result() for ids, p, s, cb in jobs]
+        handles = [self.submit(ids, p, s, on_tokens=cb) for ids, p, s, cb in jobs]
+        return [h.result() for h in handles]
+
+    # -- running --------------------------------------------------------------------------
+
+    def step(self) -> bool:
+        """Admit, prefill a chunk, and run one speculative step for the ready rows; True while work remains.
+
+        Faults are isolated per request: one whose admission, prefill, drafter or token callback
+        raises fails alone (its handle raises the error; its slot and KV tokens are freed), and a
+        step whose shared forward raises is retried row by row, so only the rows that fail alone
+        fail. The surviving rows keep every cache consistent (a target cache row holds
+        ``seq[:-1]``; what a failed step wrote past a row's length is never read), and the cost
+        model and policy stay as they were. Only an exception that no request explains (a fault in
+        the scheduling itself) fails the running requests, and a BaseException such as
+        KeyboardInterrupt stops the engine: every request gets it, new ones are refused until
+        :meth:`reset`, and it propagates.
+        """
+        with torch.inference_mode():
+            if self._failed is not None:
+                raise VerispecError(f"the engine stopped after an error: {self._failed!r}")
+            try:
+                for adm in self.scheduler.admit():
+                    try:
+                        self._start(adm.item, adm.slot)
+                    except Exception as e:  # noqa: BLE001 (this request's drafter or sampling set-up)
+                        self._fail_request(adm.item, e, slot=adm.slot)
+                self._prefill()
+                ready = [r for r in self._running.values() if r.prefilled]
+                if ready:
+                    self._decode(ready)
+            except Exception as e:  # noqa: BLE001 (no single request to blame: those running get the error)
+                logger.exception("a step failed outside any one request; failing the running requests")
+                for req in list(self._running.values()):
+                    self._fail_request(req, e)
+            except BaseException as e:
+                self._fail(e)
+                raise
+            return self.has_work
+
+    def run_until_done(self) -> None:
+        """Step until no request is running or waiting."""
+        while self.step():
+            pass
+
+    def reset(self) -> None:
+        """After a BaseException stopped the engine: forget every request and cached prefix, serve again.
+
+        The models, the cost model and the policy are kept.
+        """
+        for slot in list(self.scheduler.running):
+            self.scheduler.release(slot)
+        self.scheduler.waiting.clear()
+        self._running.clear()
+        self._by_handle.clear()
+        for slot in range(self.slots):
+            self._prefixes.forget(slot)
+            self.cache.reset(slot)
+            if self.draft_runner is not None:
+                self.draft_runner.release(slot)
+        self._failed = None
+
+    def profile(self, k_max: int = PROFILE_K, context: int = 64) -> CostModel:
+        """Measure the cost curves the cost policy uses, for k up to ``k_max`` and every batch size.
+
+        Done on first use of the policy otherwise (at the default ``k_max``). Rows asking for a
+        larger k are priced by extending the curves (:class:`~verispec.engine.costs.CostCurve`),
+        never by profiling again. A server profiles before it serves.
+        """
+        # The longer context, for what each position more costs, within what a slot can hold.
+        long_context = min(8 * context, self.max_len - k_max - 1)
+        self.costs = profile_costs(self.target, self.draft, self.slots, k_max, context, long_context=long_context)
+        self.policy = CostPolicy(self.costs)
+        c = self.costs
+        logger.info("costs at %d-token context: target %s, draft %s; per token and further position: "
+                    "target %.2g s, draft %.2g s", c.per_position.context, _fmt(c.target.points),
+                    _fmt(c.draft.points) if c.draft else "-", c.per_position.target_s, c.per_position.draft_s)
+        return self.costs
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _choose_slot(self, req: Request, free: list[int]) -> int:
+        """The scheduler's pick among the free slots: where the request's prompt is cached longest."""
+        return self._prefixes.choose(req.prompt, free)
+
+    def _start(self, req: Request, slot: int) -> None:
+        req.handle.admitted_at = time.perf_counter()
+        # The row keeps what the slot's previous request left that this prompt starts with; _prefill
+        # goes on from there. Without a record (reuse off, a fresh slot) that is nothing.
+        reused = self.cache.lengths[slot] = self._prefixes.claim(slot, req.prompt)
+        req.metrics.prefix_reused_tokens = reused
+        self.stats.prefix_hits += int(reused > 0)
+        self.stats.prefix_reused_tokens += reused
+        spec = req.spec
+        # On the target's device: verification samples there (the draft runner keeps its own if elsewhere).
+        req.generator = None if req.params.greedy else req.params.generator(self.target.device)
+        row = Row(slot, list(req.prompt), req.params, req.generator, req.metrics)
+        if spec.enabled:
+            row.drafter = req.drafter or self._drafters.acquire(spec)
+            row.model_draft = req.drafter is None and spec.method in ("draft", "hybrid") and \
+                self.draft_runner is not None
+            row.min_confidence = spec.min_confidence
+            if row.drafter is not None:
+                row.drafter.use_row(slot)
+                row.drafter.begin(req.prompt)
+            if row.model_draft:
+                assert self.draft_runner is not None
+                self.stats.prefix_draft_reused_tokens += self.draft_runner.begin(slot, req.prompt, spec.draft_vocab,
+                                                                                 spec.draft_window)
+        req.row = row
+        self._running[slot] = req
+
+    def _prefill(self) -> None:
+        # All but the last prompt token; the first step scores that one with the first drafts.
+        budget = self.config.prefill_chunk
+        t0 = time.perf_counter()
+        failed: list[tuple[Request, Exception]] = []
+        for req in self._running.values():
+            if req.prefilled:
+                continue
+            if budget <= 0:
                 break
-            cap = k_cap(spec.k, params, len(out), room)
-            horizon = self.answer_lengths.expected_remaining(len(out), min(params.max_tokens - len(out), room))
-            # A trusted lookup costs no draft time: it is drafted whatever the policy would say, and
-            # the policy learns nothing from it (its acceptance and costs are the model drafter's).
-            free = drafter.free_tokens(seq, cap, params, generator) if drafter is not None and cap else 0
-            k = free or (policy.choose(cap, horizon, drafter.catch_up_tokens(seq), len(seq))
-                         if drafter is not None else 0)
-            drafted, accepted, propose_s, score_s = m.drafted, m.accepted, m.stage_s["propose"], m.stage_s["score"]
-            new = speculative_step(self.target, self.cache, seq, drafter, k, params, generator, m)
-            if not free:
-                policy.update(k, m.drafted - drafted, m.accepted - accepted, m.stage_s["propose"] - propose_s,
-                              m.stage_s["score"] - score_s)
-                if seen is not None:
-                    seen.update(m.drafted - drafted, m.accepted - accepted)
-            if not out:
-                m.ttft_s = time.perf_counter() - t0
-            n_before = len(out)
-            finish = append_tokens(new, seq, out, params, self.eos_ids, self.decode)
-            if on_tokens is not None and on_tokens(StepTokens.of(new, out, n_before)) is False and finish is None:
-                finish = "cancelled"
-        if self.prefix_reuse:
-            held = held_tokens(seq, self.cache.lengths[0])
-            self._prefixes.record(0, held)
-            self.cache.lengths[0] = len(held)
-        m.generated_tokens = len(out)
-        m.total_s = time.perf_counter() - t0
-        if finish != "cancelled":
-            self.answer_lengths.add(len(out), cut=finish == "length")
-        return GenerationResult(prompt, out, final_text(self.decode(out), params.stop), finish, m)
+            slot, target_len = req.row.slot, len(req.prompt) - 1
+            done = self.cache.lengths[slot]
+            n = min(target_len - done, budget)
+            if n > 0:
+                t1 = time.perf_counter()
+                pos = torch.arange(done, done + n, device=self.target.device).unsqueeze(0)
+                try:
+                    self.target(torch.tensor([req.prompt[done:done + n]], device=self.target.device), pos,
+                                self.cache, rows=slice(slot, slot + 1), last_only=True)
+                except Exception as e:  # noqa: BLE001 (this prompt's forward; its length stays where it was)
+                    failed.append((req, e))
+                    continue
+                self.cache.lengths[slot] = done + n
+                budget -= n
+                req.metrics.stage_s["prefill"] += time.perf_counter() - t1
+                self.stats.prefill_tokens += n
+            req.prefilled = self.cache.lengths[slot] == target_len
+        for req, e in failed:
+            self._fail_request(req, e)
+        self.stats.prefill_s += time.perf_counter() - t0
+
+    def _plan(self, req: Request) -> RowPlan | None:
+        """Set up row ``req``'s step (its draft source) and say what the policy knows of it; None: it is done."""
+        row = req.row
+        room = self.max_len - len(row.seq)  # positions left; a step uses k + 1 of them
+        if room < 1:
+            self._finish(req, "length")
+            return None
+        cap = k_cap(req.spec.k, req.params, len(req.out), room) if row.speculates else 0
+        # A trusted lookup (hybrid) costs no draft time: it is drafted whatever the policy would say,
+        # and the policy learns nothing from it. Otherwise a hybrid row drafts with the draft model.
+        free = row.drafter.free_tokens(row.seq, cap, req.params, req.generator) \
+            if cap and row.drafter is not None else 0
+        lookup_only = isinstance(row.drafter, HybridDrafter) and not row.model_draft
+        row.use_model = row.model_draft and not free
+        req.governed = False
+        if free or (lookup_only and not free):
+            return RowPlan(cap, fixed_k=free, context=len(row.seq))
+        if req.kpolicy is not None:
+            return RowPlan(cap, fixed_k=req.kpolicy.choose(cap), model_draft=row.use_model, context=len(row.seq))
+        req.governed = True
+        catch_up = self.draft_runner.catch_up_needed(row.slot, row.seq) \
+            if row.use_model and self.draft_runner is not None else 0
+        horizon = self.answer_lengths.expected_remaining(len(req.out), min(req.params.max_tokens - len(req.out), room))
+        own_s = 0.0
+        if row.drafter is not None and not row.use_model and row.drafter.forward_fraction:
+            own_s = row.drafter.forward_fraction * self._policy().costs.target_s(1, len(row.seq))
+        return RowPlan(cap, req.acceptance.rate, model_draft=row.use_model, draft_token_s=own_s, catch_up=catch_up,
+                       horizon=horizon, context=len(row.seq), probes=req.probes)
+
+    def _decode(self, ready: list[Request]) -> None:
+        plans: list[RowPlan] = []
+        stepping: list[Request] = []
+        for req in ready:
+            plan = self._plan(req)
+            if plan is not None:
+                plans.append(plan)
+                stepping.append(req)
+        if not stepping:
+            return
+        rows = [req.row for req in stepping]
+        policy_k = None
+        if any(req.governed for req in stepping):
+            span = self.slots if self.config.compile else \
+                max(r.slot for r in rows) - min(r.slot for r in rows) + 1
+            ks = self._policy().choose(plans, span)
+            policy_k = max((k for k, req in zip(ks, stepping, strict=True) if req.governed), default=0)
+        else:
+            ks = [p.fixed_k for p in plans]
+        for row, k, plan in zip(rows, ks, plans, strict=True):
+            row.k = min(k, plan.cap)
+        report = self._run_step(rows)
+        self.stats.record(report, policy_k)
+        if self.costs is not None and not report.retried:
+            self.costs.observe_target(report.scored_tokens, report.score_s, report.context)
+            self.costs.observe_catch_up(report.catch_ups, report.catch_up_tokens, report.catch_up_s)
+            if self.costs.draft is not None and report.draft_forwards:
+                per_forward = (report.propose_s - report.catch_up_s) / report.draft_forwards
+                self.costs.observe_draft(report.span, per_forward, report.context)
+        now = time.perf_counter()
+        for i, req in enumerate(stepping):
+            if req.done:  # cancelled by an earlier request's callback during this loop
+                continue
+            if i in report.failed:
+                self._fail_request(req, report.failed[i])
+                continue
+            try:
+                self._advance(req, report, i, now)
+            except Exception as e:  # noqa: BLE001 (its stop check or token callback: this request alone)
+                self._fail_request(req, e)
+
+    def _advance(self, req: Request, report: StepReport, i: int, now: float) -> None:
+        """Fold row ``i``'s step into its request: what its k policy learns, new tokens, stop conditions."""
+        row = req.row
+        if req.kpolicy is not None:
+            req.kpolicy.update(report.drafted[i], report.accepted[i])
+        if req.governed:
+            req.acceptance.update(report.drafted[i], report.accepted[i])
+        if row.use_model and row.k and isinstance(row.drafter, HybridDrafter):
+            row.drafter.counts["draft"] += 1
+        if not req.out:
+            req.metrics.ttft_s = now - req.handle.submitted_at
+        n_before = len(req.out)
+        finish = append_tokens(report.new_tokens[i], row.seq, req.out, req.params, self.eos_ids, self.decode)
+        chunk = StepTokens.of(report.new_tokens[i], req.out, n_before)
+        if chunk:
+            req.handle._push(chunk)
+        if req.on_tokens is not None and req.on_tokens(chunk) is False and finish is None:
+            finish = "cancelled"
+        if finish is not None and not req.done:
+            self._finish(req, finish)
+
+    def _policy(self) -> CostPolicy:
+        if self.policy is None:
+            # Sized by the engine, never by a request: a request's k must not size a profile that every
+            # running request waits for (a server profiles before it serves).
+            self.profile()
+        assert self.policy is not None
+        return self.policy
+
+    def _run_step(self, rows: list[Row]) -> StepReport:
+        """One speculative step of ``rows``; a row that fails it is in ``report.failed``, the others advance.
+
+        A row whose own drafter raises is left out of the step by :func:`speculative_step`. If the
+        step raises anyway (the draft runner, the shared target forward, verification), it is
+        undone, each row's caches, drafter and generator as they were before, and every row runs it
+        alone: the rows that raise alone are the ones that fail. The combined report is marked
+        ``retried`` (its timings are no single forward's, so the cost model does not learn from it).
+        """
+        full = self.config.compile
+        saved = [self._row_state(r) for r in rows]
+        try:
+            return speculative_step(self.target, self.cache, rows, self.draft_runner, full)
+        except Exception as e:  # noqa: BLE001 (isolated below)
+            if len(rows) == 1:
+                self._restore_row(rows[0], saved[0])
+                return StepReport(1, 0, 0, 0, 0.0, 0.0, 0.0, new_tokens=[[]], drafted=[0], accepted=[0],
+                                  failed={0: e}, retried=True)
+            logger.warning("a step of %d rows failed (%r); retrying its rows one by one", len(rows), e)
+        for row, state in zip(rows, saved, strict=True):
+            self._restore_row(row, state)
+        report = StepReport(len(rows), 0, 0, 0, 0.0, 0.0, 0.0, retried=True)
+        for i, (row, state) in enumerate(zip(rows, saved, strict=True)):
+            try:
+                alone = speculative_step(self.target, self.cache, [row], self.draft_runner, full)
+            except Exception as e:  # noqa: BLE001 (this row fails on its own: it is the culprit)
+                self._restore_row(row, state)
+                alone = StepReport(1, 0, 0, 0, 0.0, 0.0, 0.0, new_tokens=[[]], drafted=[0], accepted=[0],
+                                   failed={0: e})
+            report.new_tokens += alone.new_tokens
+            report.drafted += alone.drafted
+            report.accepted += alone.accepted
+            if 0 in alone.failed:
+                report.failed[i] = alone.failed[0]
+            report.span, report.width = max(report.span, alone.span), max(report.width, alone.width)
+            report.draft_forwards += alone.draft_forwards
+            report.propose_s += alone.propose_s
+            report.score_s += alone.score_s
+            report.verify_s += alone.verify_s
+            report.context = max(report.context, alone.context)
+        return report
+
+    def _row_state(self, row: Row) -> tuple[int, torch.Tensor | None]:
+        """What a step may change in a row before it fails: the target cache length and the generator."""
+        return self.cache.lengths[row.slot], None if row.generator is None else row.generator.get_state()
+
+    def _restore_row(self, row: Row, state: tuple[int, torch.Tensor | None]) -> None:
+        """Undo a step that raised: the row is back to ``seq`` with nothing drafted or accepted.
+
+        The target's cache row is back at ``len(seq) - 1``; the draft runner and a per-row drafter
+        are told that only ``seq`` is final (they lower their lengths and catch up next time), and the
+        generator is back where it was, so a retried sampled row draws what it would have drawn.
+        """
+        length, generator_state = state
+        self.cache.lengths[row.slot] = length
+        if row.model_draft and self.draft_runner is not None:
+            self.draft_runner.commit(row.slot, len(row.seq))
+        if row.drafter is not None:
+            try:
+                row.drafter.commit(len(row.seq))
+            except Exception:  # noqa: BLE001 (a broken drafter fails its row when it runs alone)
+                pass
+        if generator_state is not None:
+            row.generator.set_state(generator_state)
+
+    def _fail_request(self, req: Request, error: BaseException, slot: int | None = None) -> None:
+        """Fail one request with ``error``: its handle raises it, its slot and KV tokens are free at once.
+
+        ``slot``: the slot it was being admitted to when it failed. Nothing else changes: the other
+        requests, the cost model and the policy stay as they were.
+        """
+        if req.done:
+            return
+        logger.error("request %d failed (%r); the other requests go on", req.handle.id, error, exc_info=error)
+        if req.row is None and slot is not None:  # failed while being admitted: the scheduler holds its slot
+            self._running.pop(slot, None)
+            self.scheduler.release(slot)
+            self._prefixes.forget(slot)
+            self.cache.reset(slot)
+            if self.draft_runner is not None:
+                self.draft_runner.release(slot)
+        self._finish(req, "error", error)
+
+    def _finish(self, req: Request, reason: str, error: BaseException | None = None) -> None:
+        req.done = True
+        self._by_handle.pop(req.handle, None)
+        if reason != "cancelled" and error is None:
+            self.answer_lengths.add(len(req.out), cut=reason == "length")
+        if req.row is not None:
+            slot = req.row.slot
+            del self._running[slot]
+            self.scheduler.release(slot)
+            # A failed request's row may hold K/V of a step that never finished: its prefix is not kept.
+            if self.prefix_reuse and error is None:
+                held = held_tokens(req.row.seq, self.cache.lengths[slot])
+                self._prefixes.record(slot, held)
+                self.cache.lengths[slot] = len(held)
+            else:
+                self._prefixes.forget(slot)
+                self.cache.reset(slot)
+            if self.draft_runner is not None and (req.row.model_draft or error is not None):
+                self.draft_runner.release(slot, req.row.seq if self.prefix_reuse and error is None else None)
+            # A drafter goes back to the pool unless it was the caller's own, or its request failed (it may
+            # be what failed).
+            if req.row.drafter is not None and req.drafter is None and error is None:
+                self._drafters.release(req.spec, req.row.drafter)
+        m = req.metrics
+        m.generated_tokens = len(req.out)
+        m.total_s = time.perf_counter() - req.handle.submitted_at
+        self.stats.requests.merge(m)
+        if error is not None:
+            req.handle._finish(None, error)
+            return
+        text = final_text(self.decode(req.out), req.params.stop)
+        req.handle._finish(GenerationResult(req.prompt, req.out, text, reason, m))
+
+    def _fail(self, error: BaseException) -> None:
+        # A BaseException mid-step leaves the caches in an unknown state: fail every request, refuse new ones.
+        self._failed = error
+        logger.error("engine step stopped: %r", error)
+        for req in list(self._by_handle.values()):
+            req.done = True
+            req.handle._finish(None, error)
+        self._by_handle.clear()
+
+
+def _kv_bytes_per_token(model: Any) -> int:
+    a = model.args
+    return 2 * a.n_layers * a.n_kv_heads * a.head_dim * torch.finfo(model.dtype).bits // 8
+
+
+def _fmt(points: dict[int, float]) -> str:
+    return ", ".join(f"{t}:{s * 1e3:.1f}ms" for t, s in sorted(points.items()))

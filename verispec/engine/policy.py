@@ -1,37 +1,36 @@
-"""How far to speculate: choosing k each step.
+"""How far to speculate: one k policy for one row or many.
 
-The ``cost`` policy follows Leviathan et al. (2023): with per-token acceptance rate a, a
-step that drafts k tokens yields E[k] = (1 - a^(k+1)) / (1 - a) tokens and costs
-k * t_draft + t_verify(k + 1), so the best k maximises E[k] / cost; k = 0 (plain decoding)
-wins whenever no k beats 1 / t_verify(1). Costs are profiled at start and refreshed online
-from the step timings; a is tracked per request.
+With per-token acceptance a, a row drafting k tokens yields E[k] = (1 - a^(k+1)) / (1 - a) tokens
+per step (Leviathan et al., 2023). A step of B rows padded to the widest k costs what the
+measured curves say (:class:`~verispec.engine.costs.CostModel`: lockstep draft forwards, one
+target forward scoring B x (k + 1) tokens, and the context they attend to). The ``cost`` policy
+picks the k with the best expected goodput, sum of E[k] over rows / step seconds, and drafts only
+where that beats plain decoding by :data:`MIN_GAIN`. One row is the B = 1 case of the same rule.
+
+Two more rules, each for a cost the goodput of one step does not show:
+
+- A row whose draft model must first read context on its own (its prompt, or what it generated
+  while plain) joins only if what the step saves per token, over the tokens the row is expected to
+  still produce (:class:`AnswerLengths`), wins that read back.
+- While a row decodes plainly nothing is learned about its acceptance, so every row has its own
+  :class:`ProbeSchedule`: after a few plain steps it drafts a short probe, if perfect acceptance
+  could pay. Probes that change nothing come more rarely, up to a bound, so no request is ever
+  locked into plain decoding, and a new request starts with a fresh schedule and the prior.
 """
 
 from __future__ import annotations
 
-import statistics
-from abc import ABC, abstractmethod
-from collections import deque
 from dataclasses import dataclass, field
 
 from verispec.config import SpecConfig
+from verispec.engine.costs import CostModel
 
-# Speculate only where the cost model predicts at least this gain over plain decoding. The model
-# leaves out each step's bookkeeping and runs on a noisy acceptance estimate, so a predicted gain
-# of a few percent is a coin flip that still pays for draft forwards (and, for a request whose
-# draft has not read its prompt yet, a draft prefill).
+# Speculate only where the cost model predicts at least this gain over plain decoding: the model
+# leaves out each step's bookkeeping and runs on a noisy acceptance estimate.
 MIN_GAIN = 0.05
-# Plain steps before a policy at k = 0 probes acceptance again, for one request and for a batch
-# alike: at one client the batch policy must make the single-request engine's choices, and a wait
-# of 16 there, with the draft lagging further each plain step, left too few tokens of a 48-token
-# answer to win the probe's catch-up back, so a request whose drafts paid (acceptance near 0.9)
-# was never probed. The back-off and a batch's plausible-acceptance bound keep busy batches from
-# probing where it cannot pay.
-PROBE_EVERY = 8
-# The widest k a cost model is profiled for when nobody asks for more: what a first use of the
-# cost policy measures (a request's k never sizes a profile that others would wait for). A larger
-# k is priced by extending the measured curve (see CostModel.score_s and CostCurve).
-PROFILE_K = 8
+PROBE_EVERY = 8  # plain steps before a row's first probe
+PROBE_MAX_EVERY = 64  # the longest wait a row's probes back off to
+PROBE_K = 2
 
 
 def expected_tokens(a: float, k: int) -> float:
@@ -42,170 +41,18 @@ def expected_tokens(a: float, k: int) -> float:
 
 
 @dataclass
-class ContextCost:
-    """What a longer context adds to a forward: seconds per scored token (target) or per draft token
-    (draft) for each position of context beyond the ``context`` the cost curves were measured at.
-
-    Without it a cost model profiled at a short context is blind to where requests spend most
-    steps: 16 clients near 1000-token contexts drafted on steps that cost twice their prediction,
-    because the slower plain steps looked like noise on the plain width alone.
-    """
-
-    context: int = 0
-    target_s: float = 0.0
-    draft_s: float = 0.0
-
-    def __post_init__(self) -> None:
-        if self.context < 0 or self.target_s < 0 or self.draft_s < 0:
-            raise ValueError("context and the per-position costs must be >= 0")
-
-    def target(self, tokens: int, context: int) -> float:
-        """Seconds ``tokens`` scored tokens pay for attending to ``context`` positions, beyond the profiled ones."""
-        return tokens * max(0, context - self.context) * self.target_s
-
-    def draft(self, tokens: int, context: int) -> float:
-        """The same for ``tokens`` draft tokens (or rows of a lockstep draft forward)."""
-        return tokens * max(0, context - self.context) * self.draft_s
-
-
-def per_position_s(short: dict[tuple[int, int], float], long: dict[tuple[int, int], float], context: int,
-                   long_context: int) -> float:
-    """Seconds per scored token per position of context, from forwards of B rows x m tokens (the keys)
-    timed at ``context`` (``short``) and at ``long_context`` (``long``): the median over shapes, never
-    below 0 (noise on a shared host can make one long forward faster than its short twin)."""
-    if long_context <= context or not long:
-        return 0.0
-    slopes = [(long[b, m] - short[b, m]) / (b * m * (long_context - context)) for b, m in long]
-    return max(0.0, statistics.median(slopes))
-
-
-@dataclass
-class CostModel:
-    """Measured seconds: one draft token, and a target forward scoring m tokens (index m - 1), both at
-    ``per_position.context`` positions; longer contexts add :class:`ContextCost`'s terms."""
-
-    draft_s: float
-    verify_s: list[float]
-    catch_up_per_token_s: float = 0.0  # the drafter reading context it has not seen (a draft prefill)
-    smoothing: float = 0.1  # weight of a new observation in the running averages
-    per_position: ContextCost = field(default_factory=ContextCost)
-
-    def catch_up_s(self, tokens: int) -> float:
-        """Predicted seconds for the drafter to read ``tokens`` tokens of context before drafting."""
-        return tokens * self.catch_up_per_token_s
-
-    def draft_token_s(self, context: int = 0) -> float:
-        """Predicted seconds of one draft token at ``context`` positions."""
-        return self.draft_s + self.per_position.draft(1, context)
-
-    def score_s(self, m: int, context: int = 0) -> float:
-        """Predicted seconds of a target forward scoring ``m`` tokens at ``context`` positions."""
-        return self._verify(m) + self.per_position.target(m, context)
-
-    def _verify(self, m: int) -> float:
-        """The profiled seconds of scoring ``m`` tokens; past the profiled widths the curve goes on at its
-        last segment's slope (never falling), so a k wider than the profile is priced, not re-profiled."""
-        n = len(self.verify_s)
-        if m <= n:
-            return self.verify_s[m - 1]
-        slope = max(0.0, self.verify_s[-1] - self.verify_s[-2]) if n > 1 else 0.0
-        return self.verify_s[-1] + slope * (m - n)
-
-    def step_s(self, k: int, context: int = 0) -> float:
-        """Predicted seconds of one step drafting k tokens."""
-        return k * self.draft_token_s(context) + self.score_s(k + 1, context)
-
-    def speed(self, a: float, k: int, hit: float = 1.0, context: int = 0) -> float:
-        """Predicted tokens per second at acceptance a and k drafts per step, at ``context`` positions.
-
-        ``hit`` is the share of steps on which the drafter proposes at all (lookup drafters
-        often find no match; such a step is a plain decoding step).
-        """
-        plain_s = self.score_s(1, context)
-        if k == 0:
-            return 1.0 / plain_s
-        tokens = hit * expected_tokens(a, k) + (1.0 - hit)
-        return tokens / (k * self.draft_token_s(context) + hit * self.score_s(k + 1, context) + (1.0 - hit) * plain_s)
-
-    def speedup(self, a: float, k: int, hit: float = 1.0, context: int = 0) -> float:
-        """Predicted speedup over plain decoding."""
-        return self.speed(a, k, hit, context) * self.score_s(1, context)
-
-    def best_k(self, a: float, k_max: int, min_gain: float = 0.0, context: int = 0) -> int:
-        """The k with the highest predicted speed; 0 unless it beats plain decoding by ``min_gain``."""
-        k = max(range(k_max + 1), key=lambda k: (self.speed(a, k, context=context), -k))
-        return k if self.speed(a, k, context=context) >= (1.0 + min_gain) * self.speed(a, 0, context=context) else 0
-
-    def observe(self, k: int, drafted: int, propose_s: float, score_s: float, context: int = 0) -> None:
-        """Fold one step's timings at ``context`` positions in; what the context explains is not learned.
-        The verification curve keeps its profiled shape and only its level follows what steps
-        measure: a policy sticking to one k would otherwise never correct the entries of the k it
-        does not try."""
-        w = self.smoothing
-        if drafted:
-            measured = propose_s / drafted - self.per_position.draft(1, context)
-            self.draft_s += w * (measured - self.draft_s)
-        measured = score_s - self.per_position.target(k + 1, context)
-        scale = 1.0 + w * (measured / self._verify(k + 1) - 1.0)
-        self.verify_s = [t * scale for t in self.verify_s]
-
-
-class KPolicy(ABC):
-    """Chooses k before each step and learns from what the step accepted."""
-
-    @abstractmethod
-    def choose(self, k_cap: int, remaining: int | None = None, catch_up: int = 0, context: int = 0) -> int:
-        """k for the next step, at most ``k_cap``.
-
-        ``remaining`` is how many tokens the request is expected to still generate (at most what
-        its limits allow; see :class:`AnswerLengths`); ``catch_up`` how many tokens of context
-        the drafter has yet to read before it can draft; ``context`` how many tokens the sequence
-        holds (policies may ignore all three).
-        """
-
-    def update(self, k: int, drafted: int, accepted: int, propose_s: float, score_s: float) -> None:  # noqa: B027
-        """What the last step drafted, accepted and cost."""
-
-
-@dataclass
-class FixedK(KPolicy):
-    k: int
-
-    def choose(self, k_cap: int, remaining: int | None = None, catch_up: int = 0, context: int = 0) -> int:
-        return min(self.k, k_cap)
-
-
-@dataclass
-class HeuristicK(KPolicy):
-    """Grow k after a fully accepted step, shrink it after a rejection (as transformers' assisted generation)."""
-
-    k: int
-    k_max: int
-    k_min: int = 1
-
-    def choose(self, k_cap: int, remaining: int | None = None, catch_up: int = 0, context: int = 0) -> int:
-        return min(self.k, k_cap)
-
-    def update(self, k: int, drafted: int, accepted: int, propose_s: float, score_s: float) -> None:
-        if drafted == 0:
-            return
-        self.k = min(self.k_max, self.k + 2) if accepted == drafted else max(self.k_min, self.k - 1)
-
-
-@dataclass
 class Acceptance:
-    """A drafter's per-token acceptance rate a, estimated online with a prior.
+    """A request's per-token acceptance rate a, estimated online from a prior.
 
     A step that drafted d tokens and had the first n accepted shows n accepted tokens and, when
-    n < d, one rejection; the tokens after a rejection are never judged. Counting them as
-    failures (accepted / drafted) would read a = 0.9 at k = 5 as 0.74 and make a policy
-    under-draft exactly where drafting pays most, so the estimate is the geometric maximum
-    likelihood: accepted / (accepted + rejections). The prior is worth ``prior_weight`` judged
-    tokens; ``decay`` per step lets recent behaviour outweigh the start of a request.
+    n < d, one rejection; the tokens after a rejection are never judged, so the estimate is the
+    geometric maximum likelihood accepted / (accepted + rejections), not accepted / drafted. The
+    prior is worth ``prior_weight`` judged tokens; ``decay`` per step lets recent steps outweigh
+    the start of a request.
     """
 
     prior_a: float = 0.6
-    prior_weight: float = 2.0  # small: a policy at k = 0 learns only from occasional 2-token probes
+    prior_weight: float = 2.0
     decay: float = 0.9
     accepted: float = 0.0
     rejected: float = 0.0
@@ -222,184 +69,187 @@ class Acceptance:
 
 
 @dataclass
-class AcceptanceSpread:
-    """How much acceptance differs from one request to the next, for one drafter.
-
-    A probe asks whether speculation could pay at the best acceptance the batch plausibly has.
-    One request's acceptance ranges widely (code near 0.9, open chat far lower), so for a lone
-    request that bound is near 1; the mean over B requests varies by only sd / sqrt(B), so a
-    full batch whose drafter has a modest record cannot plausibly reach a high mean, and probing
-    it only costs (at 8 clients on a CPU, a step three tokens wide over eight rows). ``sd`` is the
-    standard deviation of finished requests' rates once ``min_requests`` have drafted, else
-    ``prior_sd``.
-    """
-
-    prior_sd: float = 0.25
-    min_requests: int = 8
-    window: int = 64
-    rates: deque = field(init=False)
-    sd: float = field(init=False)  # kept current by add(): every decode step reads it for every row
-
-    def __post_init__(self) -> None:
-        self.rates = deque(maxlen=self.window)
-        self.sd = self.prior_sd
-
-    def add(self, acceptance: Acceptance) -> None:
-        """Record a finished request's acceptance, if it drafted enough to show one."""
-        judged = acceptance.accepted + acceptance.rejected
-        if judged < 2:
-            return
-        self.rates.append(acceptance.accepted / judged)
-        if len(self.rates) >= self.min_requests:
-            self.sd = statistics.stdev(self.rates)
-
-
-@dataclass
 class AnswerLengths:
-    """How long recent answers ran, to estimate how many tokens a running request will still produce.
+    """How long recent answers ran: the tokens a running request is expected to still produce.
 
-    The cost policy weighs a one-off cost (a model drafter reading the prompt) against what
-    speculation saves per token. ``max_tokens`` overstates the tokens left when answers usually
-    end at EOS well before it (translations, short QA), so the estimate is the mean remaining
-    length of recent answers that ran longer than this one has so far. An answer cut by its token
-    limit only says it would have run at least that long: it counts as running to the limit.
+    The mean remaining length of recent answers that ran longer than this one has so far, at most
+    what its limit leaves; an answer cut by its limit counts as running to the limit.
     """
 
     window: int = 64
-    recent: deque = field(init=False)  # (length, cut by its limit), the latest ``window``
-
-    def __post_init__(self) -> None:
-        self.recent = deque(maxlen=self.window)
+    recent: list[tuple[int, bool]] = field(default_factory=list)
 
     def add(self, length: int, cut: bool) -> None:
-        self.recent.append((length, cut))
+        self.recent = [*self.recent, (length, cut)][-self.window:]
 
     def expected_remaining(self, generated: int, limit_left: int) -> int:
         """Expected tokens still to come after ``generated``, at most ``limit_left``."""
         left = [limit_left if cut else min(n - generated, limit_left) for n, cut in self.recent if n > generated]
-        if not left:
-            return limit_left
-        return max(1, round(sum(left) / len(left)))
+        return max(1, round(sum(left) / len(left))) if left else limit_left
 
 
 @dataclass
 class ProbeSchedule:
-    """When a policy that chose plain decoding takes a probe step instead, to look at acceptance again.
+    """When a plainly decoding row drafts a probe: after ``every`` plain steps, the wait doubling after
+    each probe that did not make speculation pay, up to ``max_every``; choosing to speculate starts
+    it over. A due probe that does not run (it could not pay) stays due."""
 
-    The first probe comes after ``every`` plain steps. A probe after which the policy still finds
-    speculation not worth it doubles the wait, up to ``max_every``: a request (or a batch) whose
-    drafts keep failing stops paying for looks that change nothing (at 8 clients the batch ran 7-9
-    probes in 181 steps and no other speculation). Choosing to speculate starts over at ``every``.
-    """
-
-    every: int = 8
-    max_every: int = 64
-    _gap: int = 0  # 0: every
-    _streak: int = 0
-    _probed: bool = False
-
-    @property
-    def gap(self) -> int:
-        """Plain steps before the next probe."""
-        return self._gap or self.every
+    every: int = PROBE_EVERY
+    max_every: int = PROBE_MAX_EVERY
+    gap: int = 0  # 0 until the first wait: every
+    streak: int = 0
+    probed: bool = False
 
     def due(self) -> bool:
-        """The policy chose plain decoding for this step: True where it should probe instead.
-
-        A due probe that does not run (:meth:`ran` not called: no request could win its draft's
-        catch-up back) stays due until one does. Starting the wait over instead locked one client
-        into plain decoding once the wait had grown past an answer's length: the probe fell due
-        late in a request, whose few remaining tokens could not pay for a probe, and the next
-        request waited the whole gap again.
-        """
-        if self._probed:  # the last probe did not make speculation pay
-            self._gap, self._probed = min(2 * self.gap, self.max_every), False
-        self._streak += 1
-        return self._streak >= self.gap
+        """This row decodes plainly this step: True where it should probe instead."""
+        if self.probed:  # the last probe did not make speculation pay
+            self.gap, self.probed = min(2 * (self.gap or self.every), self.max_every), False
+        self.streak += 1
+        return self.streak >= (self.gap or self.every)
 
     def ran(self) -> None:
-        """A probe step runs now."""
-        self._probed, self._streak = True, 0
+        self.probed, self.streak = True, 0
 
     def restart(self) -> None:
-        """Start the wait over at ``every``: the policy chose to speculate, or what the back-off
-        learned no longer applies."""
-        self._streak, self._gap, self._probed = 0, 0, False
+        self.gap, self.streak, self.probed = 0, 0, False
 
 
 @dataclass
-class CostK(KPolicy):
-    """Pick the k that maximises predicted tokens/s; k = 0 when speculation does not pay.
+class RowPlan:
+    """What the policy knows of one row before a step.
 
-    ``acceptance`` starts from a prior (the engine passes what this drafter achieved on earlier
-    requests), so the first steps neither trust one lucky step nor give up after one bad one.
-    While k = 0 nothing is learned about acceptance, so after ``probe_every`` plain steps one
-    small probe step runs, unless even perfect acceptance could not pay; probes that change
-    nothing come ever more rarely (:class:`ProbeSchedule`).
-
-    A model drafter that has not yet read the prompt must first catch up on it (a prefill of
-    the draft): the choice weighs that one-off cost against what speculation would save over
-    the tokens the request is expected to still generate, so a long prompt with a short answer
-    (RAG) stays plain rather than paying for a draft prefill it cannot win back.
+    ``acceptance`` None: the row's k is ``fixed_k`` (a fixed or heuristic k policy, or a trusted
+    lookup). ``model_draft``: it drafts with the shared draft model (lockstep forwards);
+    ``draft_token_s``: seconds per token its own drafter spends (layer-skip; lookups 0).
     """
+
+    cap: int
+    acceptance: float | None = None
+    fixed_k: int = 0
+    model_draft: bool = False
+    draft_token_s: float = 0.0
+    catch_up: int = 0  # tokens its draft model must read alone before drafting
+    horizon: int | None = None  # tokens it is expected to still produce (None: unknown)
+    context: int = 0  # tokens its sequence holds
+    probes: ProbeSchedule | None = None
+
+
+@dataclass
+class CostPolicy:
+    """The ``cost`` k policy: one k for the governed rows of a step, by expected goodput (see the module)."""
 
     costs: CostModel
-    k_max: int
-    acceptance: Acceptance = field(default_factory=Acceptance)
-    probe_every: int = PROBE_EVERY
-    probe_k: int = 2
-    min_gain: float = MIN_GAIN  # the predicted gain over plain decoding that speculating must show
-    _catch_up: int = 0
-    _context: int = 0
-    chosen: list[int] = field(default_factory=list)
+    min_gain: float = MIN_GAIN
+    probe_k: int = PROBE_K
+    chosen: dict[int, int] = field(default_factory=dict)  # k -> steps it was chosen for governed rows
 
-    def __post_init__(self) -> None:
-        self.probes = ProbeSchedule(self.probe_every, 8 * self.probe_every)
-
-    def choose(self, k_cap: int, remaining: int | None = None, catch_up: int = 0, context: int = 0) -> int:
-        """``remaining``: tokens the request is expected to produce; ``catch_up``: tokens to read first;
-        ``context``: tokens the sequence holds (a longer context makes every scored token dearer)."""
-        self._catch_up, self._context = catch_up, context
-        a = self.acceptance.rate
-        k = self.costs.best_k(a, min(self.k_max, k_cap), self.min_gain, context)
-        if k > 0 and not self._worth_catching_up(a, k, remaining, catch_up, context):
-            k = 0
-        if k == 0:
-            if self.probes.due():
-                # Only where drafting could pay at all: perfect acceptance beats plain decoding by
-                # the margin a choice demands and wins back what the drafter must read first.
-                probe = min(self.probe_k, k_cap)
-                if probe and self.costs.speed(1.0, probe, context=context) >= \
-                        (1.0 + self.min_gain) * self.costs.speed(1.0, 0, context=context) and \
-                        self._worth_catching_up(1.0, probe, remaining, catch_up, context):
-                    k = probe
-                    self.probes.ran()
+    def choose(self, plans: list[RowPlan], span: int | None = None) -> list[int]:
+        """k of every row for the next step (fixed rows keep theirs, each capped by its ``cap``)."""
+        ks = [0 if p.acceptance is not None else min(p.fixed_k, p.cap) for p in plans]
+        governed = [i for i, p in enumerate(plans) if p.acceptance is not None and p.cap > 0]
+        if not governed:
+            return ks
+        rates = {i: plans[i].acceptance for i in governed}
+        joined, k = self._paying(plans, ks, governed, rates, span)
+        if k > 0:
+            for i in governed:
+                if plans[i].probes is not None:
+                    plans[i].probes.restart()
+                if i in joined:
+                    ks[i] = min(k, plans[i].cap)
         else:
-            self.probes.restart()  # choosing to speculate starts the wait over
-        self.chosen.append(k)
-        return k
+            due = [i for i in governed if plans[i].probes is not None and plans[i].probes.due()]
+            probe = {i: min(self.probe_k, plans[i].cap) for i in due}
+            # At perfect acceptance: the rows whose catch-up that wins back, and only if they pay together.
+            best = dict.fromkeys(probe, 1.0)
+            probe = {i: kp for i, kp in probe.items() if self._wins_back(plans, ks, probe, best, span, i)}
+            if probe and self._pays(plans, ks, probe, best, span):
+                for i, kp in probe.items():
+                    ks[i] = kp
+                    plans[i].probes.ran()
+        self.chosen[k] = self.chosen.get(k, 0) + 1
+        return ks
 
-    def _worth_catching_up(self, a: float, k: int, remaining: int | None, catch_up: int, context: int) -> bool:
-        if catch_up <= 0 or remaining is None:
+    def _paying(self, plans: list[RowPlan], ks: list[int], governed: list[int], rates: dict[int, float],
+                span: int | None) -> tuple[list[int], int]:
+        """The rows that join and the best k for them; rows whose catch-up that k cannot win back stay out."""
+        joined = list(governed)
+        while joined:
+            k_max = max(plans[i].cap for i in joined)
+            best = max(range(k_max + 1), key=lambda k: (self._goodput(plans, ks, self._at(plans, joined, k),
+                                                                      rates, span), -k))
+            at = self._at(plans, joined, best)
+            if best == 0 or not self._pays(plans, ks, at, rates, span):
+                return [], 0
+            keep = [i for i in joined if self._wins_back(plans, ks, at, rates, span, i)]
+            if keep == joined:
+                return joined, best
+            joined = keep
+        return [], 0
+
+    @staticmethod
+    def _at(plans: list[RowPlan], rows: list[int], k: int) -> dict[int, int]:
+        return {i: min(k, plans[i].cap) for i in rows}
+
+    def _goodput(self, plans: list[RowPlan], ks: list[int], drafting: dict[int, int], rates: dict[int, float],
+                 span: int | None) -> float:
+        """Predicted tokens per second of the step if rows ``drafting`` draft their k (the others ``ks``)."""
+        tokens, width, draft_k, own_s = 0.0, 0, 0, 0.0
+        for i, p in enumerate(plans):
+            k = drafting.get(i, ks[i])
+            a = rates.get(i, p.acceptance if p.acceptance is not None else 0.6)
+            tokens += expected_tokens(a, k) if k > 0 else 1.0
+            width = max(width, k)
+            if p.model_draft:
+                draft_k = max(draft_k, k)
+            own_s += k * p.draft_token_s
+        context = max((p.context for p in plans), default=0)
+        return tokens / (self.costs.step_s(span or len(plans), width, draft_k, context) + own_s)
+
+    def _pays(self, plans: list[RowPlan], ks: list[int], drafting: dict[int, int], rates: dict[int, float],
+              span: int | None) -> bool:
+        return self._goodput(plans, ks, drafting, rates, span) >= \
+            (1.0 + self.min_gain) * self._goodput(plans, ks, {}, rates, span)
+
+    def _wins_back(self, plans: list[RowPlan], ks: list[int], drafting: dict[int, int], rates: dict[int, float],
+                   span: int | None, i: int) -> bool:
+        """Whether row ``i``'s draft catch-up is won back by the saving over its expected remaining tokens."""
+        p = plans[i]
+        if not p.model_draft or p.catch_up <= 0 or p.horizon is None:
             return True
-        saved_per_token = self.costs.score_s(1, context) - 1.0 / self.costs.speed(a, k, context=context)
-        return saved_per_token * remaining > self.costs.catch_up_s(catch_up)
-
-    def update(self, k: int, drafted: int, accepted: int, propose_s: float, score_s: float) -> None:
-        self.acceptance.update(drafted, accepted)
-        # A step that began with the drafter reading a long context (a probe after plain steps)
-        # says nothing about the cost of one draft token: counting it would make drafting look
-        # many times dearer than it is and keep the policy plain for good.
-        self.costs.observe(k, 0 if self._catch_up > 1 else drafted, propose_s, score_s, self._context)
+        saved = 1.0 / self._goodput(plans, ks, {}, rates, span) - 1.0 / self._goodput(plans, ks, drafting, rates, span)
+        return saved * p.horizon > self.costs.catch_up_s(p.catch_up)
 
 
-def make_policy(spec: SpecConfig, costs: CostModel | None, prior_a: float | None = None) -> KPolicy:
-    """The policy ``spec.k_policy`` names; ``spec.k`` is the fixed k or the upper bound.
+@dataclass
+class FixedK:
+    """k per request: ``spec.k`` every step (the ``fixed`` and ``confidence`` policies)."""
 
-    ``prior_a`` seeds the cost policy's acceptance estimate (e.g. from earlier requests).
-    """
+    k: int
+
+    def choose(self, cap: int) -> int:
+        return min(self.k, cap)
+
+    def update(self, drafted: int, accepted: int) -> None:  # noqa: B027 (a fixed k learns nothing)
+        """What the last step drafted and accepted."""
+
+
+@dataclass
+class HeuristicK(FixedK):
+    """Grow k by 2 after a fully accepted step, shrink it by 1 after a rejection (transformers' assisted generation)."""
+
+    k_max: int = 8
+    k_min: int = 1
+
+    def update(self, drafted: int, accepted: int) -> None:
+        if drafted:
+            self.k = min(self.k_max, self.k + 2) if accepted == drafted else max(self.k_min, self.k - 1)
+
+
+def request_policy(spec: SpecConfig) -> FixedK | None:
+    """A request's own k policy, or None where the engine's :class:`CostPolicy` governs it (``cost``)."""
+    if spec.k_policy == "cost":
+        return None
     if spec.k_policy == "heuristic":
         return HeuristicK(k=min(spec.k, 4), k_max=spec.k)
-    if spec.k_policy == "cost" and costs is not None:
-        return CostK(costs, k_max=spec.k, acceptance=Acceptance() if prior_a is None else Acceptance(prior_a))
-    return FixedK(spec.k)  # "fixed" and "confidence" (the drafter stops early by itself)
+    return FixedK(spec.k)

@@ -1,50 +1,236 @@
-"""The speculative step: propose, score, verify, roll back. Plain decoding is the k = 0 case."""
+"""The speculative step: every stepping row proposes, one target forward scores them all, each row verifies.
+
+For each row (Leviathan et al., 2023): (1) propose up to k draft tokens d1..dk; (2) score
+[last token, d1..dk] with the target; (3) verify, keeping the longest valid prefix d1..dn plus one
+token of the target's (so even an all-rejected step yields a token, and plain decoding is k = 0);
+(4) roll back to what was accepted. Invariant: a row's target cache holds ``seq[:-1]``.
+A step feeds each row ``[last token, d1..dk_row]`` at its own positions; rows are right-padded to
+the batch's widest ``k + 1`` with copies of their last token at the following positions. Padding
+K/V land past the row's length, are hidden from its real queries by the causal-by-position mask,
+and are overwritten by later steps, so they cost compute but never change a result. Verification
+and rollback are per row, so a row's result never depends on its companions.
+
+The forward covers the contiguous slot span of the stepping rows (the model addresses cache rows
+by slice); slots inside the span that are not stepping (free, or still prefilling) get dummy
+tokens at positions from their own cache length on, which are equally harmless.
+
+A row whose own drafter raises (in ``propose`` or ``commit``) is left out of the step and
+reported in ``StepReport.failed``; the other rows' results do not depend on it (a row's result
+never depends on its companions). Any other exception propagates before any row's cache length,
+drafter or metrics change: every row is verified first, and only then are all rolled forward.
+"""
 
 from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from verispec.drafters.base import Drafter, Proposal
-from verispec.engine.metrics import Metrics
+from verispec.engine.draft_runner import DraftRow, DraftRunner
+from verispec.engine.metrics import Metrics, sync
 from verispec.models.kv_cache import KVCache
 from verispec.models.llama import Transformer
 from verispec.sampling import SamplingParams, probs_from_logits
 from verispec.verify import verify_greedy, verify_sampling
 
 
-@torch.inference_mode()
-def speculative_step(target: Transformer, cache: KVCache, seq: list[int], drafter: Drafter | None, k: int,
-                     params: SamplingParams, generator: torch.Generator | None, metrics: Metrics) -> list[int]:
-    """Extend ``seq`` by one step; return the new tokens (1 to k + 1 of them).
+@dataclass(eq=False)
+class Row:
+    """One sequence as the step sees it.
 
-    Invariant: the target's cache holds ``seq[:-1]``; the last token has no K/V yet. The
-    target scores [last token, d1..dk] in one forward, which yields a distribution for each
-    draft position plus one more, so even an all-rejected step still produces a token.
+    ``drafter`` is a per-row drafter (n-gram, retrieval, layer-skip, the lookups of hybrid);
+    ``model_draft`` rows can draft through the engine's shared :class:`DraftRunner`; neither means
+    plain decoding. Before each step the engine sets ``k`` and ``use_model``: whether this step's
+    draft comes from the draft model (else from ``drafter``). Both see every step's rollback.
     """
-    # 1. Propose.
-    with metrics.timed("propose"):
-        proposal = drafter.propose(seq, k, params, generator) if drafter is not None and k > 0 else Proposal([])
-    draft = proposal.tokens[:k]
 
-    # 2. Score: one target forward over k + 1 positions.
-    start = len(seq) - 1
-    with metrics.timed("score"):
-        tokens = torch.tensor([[seq[-1], *draft]], device=target.device)
-        positions = torch.arange(start, start + len(draft) + 1, device=target.device).unsqueeze(0)
-        logits = target(tokens, positions, cache, kv_len=start + len(draft) + 1)[0]
+    slot: int
+    seq: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None
+    metrics: Metrics
+    drafter: Drafter | None = None
+    model_draft: bool = False
+    min_confidence: float = 0.0
+    k: int = 0
+    use_model: bool = False
 
-    # 3. Verify: longest valid prefix plus one token from the target.
-    with metrics.timed("verify"):
-        if params.greedy:
-            n, extra = verify_greedy(draft, logits)
+    @property
+    def speculates(self) -> bool:
+        return self.model_draft or self.drafter is not None
+
+
+@dataclass
+class StepReport:
+    """What one batched step did: rows, padded width, tokens scored and seconds per stage."""
+
+    rows: int
+    span: int  # cache rows the target forward covered (rows plus holes between them)
+    width: int  # the padded number of positions per row (max k + 1)
+    draft_forwards: int
+    propose_s: float  # catch-ups included
+    score_s: float
+    verify_s: float
+    new_tokens: list[list[int]] = field(default_factory=list)  # per row: its 1..k+1 new tokens
+    drafted: list[int] = field(default_factory=list)  # per row
+    accepted: list[int] = field(default_factory=list)  # per row
+    catch_ups: int = 0  # rows whose draft caught up alone, the context they read and its seconds
+    catch_up_tokens: int = 0
+    catch_up_s: float = 0.0
+    context: int = 0  # the longest row's tokens before the step: what the forward's keys were padded to
+    failed: dict[int, BaseException] = field(default_factory=dict)  # row index -> what its own drafter raised
+    retried: bool = False  # the rows ran one by one after the batched step raised (Engine._run_step)
+
+    @property
+    def scored_tokens(self) -> int:
+        return self.span * self.width
+
+
+@torch.inference_mode()
+def speculative_step(target: Transformer, cache: KVCache, rows: list[Row], draft_model: DraftRunner | None,
+                     full_span: bool = False) -> StepReport:
+    """Extend every row by one speculative step; ``report.new_tokens[i]`` are row i's 1..k+1 new tokens.
+
+    A row in ``report.failed`` (its drafter raised) did not step: no new tokens, cache unchanged.
+    ``full_span``: the forward covers every slot (a compiled target's static shapes).
+    """
+    # 1. Propose: model rows draft together in lockstep, per-row drafters one by one.
+    t0 = time.perf_counter()
+    proposals = [Proposal([])] * len(rows)
+    failed: dict[int, BaseException] = {}
+    forwards_before = draft_model.forwards if draft_model is not None else 0
+    caught_before = ((draft_model.catch_ups, draft_model.catch_up_tokens, draft_model.catch_up_s)
+                     if draft_model is not None else (0, 0, 0.0))
+    model_rows = [i for i, r in enumerate(rows) if r.model_draft and r.use_model and r.k > 0]
+    if model_rows:
+        assert draft_model is not None, "model-drafting rows need the batch's draft model"
+        reqs = [DraftRow(rows[i].slot, rows[i].seq, rows[i].k, rows[i].params, rows[i].generator,
+                         rows[i].min_confidence) for i in model_rows]
+        for i, p in zip(model_rows, draft_model.propose(reqs), strict=True):
+            proposals[i] = p
+    for i, r in enumerate(rows):
+        if r.drafter is not None and not r.use_model and r.k > 0:
+            try:
+                proposals[i] = r.drafter.propose(r.seq, r.k, r.params, r.generator)
+            except Exception as e:  # noqa: BLE001 (this row's drafter: the row fails, the step goes on)
+                failed[i] = e
+    drafts = [p.tokens[:r.k] for p, r in zip(proposals, rows, strict=True)]
+    live = [i for i in range(len(rows)) if i not in failed]
+    t1 = time.perf_counter()
+    report = StepReport(len(rows), 0, 0, 0, t1 - t0, 0.0, 0.0, context=max(len(r.seq) for r in rows),
+                        new_tokens=[[] for _ in rows], drafted=[0] * len(rows), accepted=[0] * len(rows),
+                        failed=failed)
+    if not live:
+        return report
+
+    # 2. Score: one forward over the slot span, each row padded to the widest k + 1.
+    lo, hi = (0, cache.batch) if full_span else (min(rows[i].slot for i in live), max(rows[i].slot for i in live) + 1)
+    width = max(len(drafts[i]) for i in live) + 1
+    starts = list(cache.lengths[lo:hi])  # holes: dummies from their own length on
+    tokens = torch.zeros(hi - lo, width, dtype=torch.long)
+    for i in live:
+        r, d = rows[i], drafts[i]
+        real = [r.seq[-1], *d]
+        tokens[r.slot - lo] = torch.tensor(real + [real[-1]] * (width - len(real)))
+        starts[r.slot - lo] = len(r.seq) - 1
+    pos = torch.tensor(starts).unsqueeze(1) + torch.arange(width)
+    # Keys up to the stepping rows' last position: a hole's dummies may sit further out (a row still
+    # prefilling, a free slot's cached prefix); they are written all the same, and what their queries
+    # attend to is never read. Every row attending to a hole's length would pay for it.
+    kv_len = max(len(r.seq) for r in rows) - 1 + width
+    logits = target(tokens.to(target.device), pos.to(target.device), cache, kv_len=kv_len,
+                    rows=slice(None) if full_span else slice(lo, hi))
+    sync(logits.device)  # charge the forward to "score", not to the first sync in "verify"
+    t2 = time.perf_counter()
+    report.span, report.width, report.score_s = hi - lo, width, t2 - t1
+
+    # 3. Verify each row against its own slice of the logits, with its own generator (nothing changes yet).
+    verdicts = []
+    for i in live:
+        r, d, p = rows[i], drafts[i], proposals[i]
+        row_logits = logits[r.slot - lo, : len(d) + 1]
+        if r.params.greedy:
+            verdicts.append(verify_greedy(d, row_logits))
         else:
-            # The draft's distributions cross to the target's device once per step (a no-op when they share one).
-            q = None if proposal.probs is None else proposal.probs[: len(draft)].to(logits.device)
-            n, extra = verify_sampling(draft, q, probs_from_logits(logits, params), generator)
+            q = None if p.probs is None else p.probs[: len(d)].to(row_logits.device)
+            verdicts.append(verify_sampling(d, q, probs_from_logits(row_logits, r.params), r.generator))
+    # 4. Roll back to what was accepted: the row keeps K/V for seq[-1] and d1..dn.
+    for i, (n, extra) in zip(live, verdicts, strict=True):
+        r, d = rows[i], drafts[i]
+        if r.drafter is not None:
+            try:
+                r.drafter.commit(len(r.seq) + n)
+            except Exception as e:  # noqa: BLE001 (this row's drafter, as in propose: its cache stays put)
+                failed[i] = e
+                continue
+        if r.model_draft and draft_model is not None:
+            draft_model.commit(r.slot, len(r.seq) + n)
+        cache.lengths[r.slot] = len(r.seq) + n
+        r.metrics.record_step(r.k, len(d), n)
+        report.new_tokens[i] = d[:n] + [extra]
+        report.drafted[i] = len(d)
+        report.accepted[i] = n
+    t3 = time.perf_counter()
+    report.verify_s = t3 - t2
+    report.draft_forwards = (draft_model.forwards - forwards_before) if draft_model is not None else 0
+    if draft_model is not None:
+        report.catch_ups = draft_model.catch_ups - caught_before[0]
+        report.catch_up_tokens = draft_model.catch_up_tokens - caught_before[1]
+        report.catch_up_s = draft_model.catch_up_s - caught_before[2]
+    # Each request waited for the whole step, so each is charged every stage's full time.
+    for r in (rows[i] for i in live if i not in failed):
+        for stage, s in (("propose", report.propose_s), ("score", report.score_s), ("verify", report.verify_s)):
+            r.metrics.stage_s[stage] += s
+    return report
 
-    # 4. Roll both back to what was accepted: the target keeps K/V for seq[-1] and d1..dn.
-    cache.lengths[0] = start + 1 + n
-    if drafter is not None:
-        drafter.commit(len(seq) + n)
-    metrics.record_step(k, len(draft), n)
-    return draft[:n] + [extra]
+
+@dataclass
+class EngineStats:
+    """Engine-wide counters of an :class:`~verispec.engine.engine.Engine`: what its steps did.
+
+    ``width_steps`` counts steps by padded width (k + 1 of the widest row), ``policy_k`` the k the
+    concurrency-aware policy chose, ``rows_steps`` steps by number of rows. ``prefix_hits`` counts
+    admitted requests that kept part of their slot's cached KV, ``prefix_reused_tokens`` the prompt
+    positions of the target they did not prefill, ``prefix_draft_reused_tokens`` those the draft
+    model did not read (:mod:`verispec.engine.prefix`). Finished requests' own :class:`Metrics` are
+    merged into ``requests``.
+    """
+
+    steps: int = 0
+    step_s: float = 0.0
+    scored_tokens: int = 0
+    prefill_tokens: int = 0
+    prefill_s: float = 0.0
+    catch_up_tokens: int = 0  # context the draft model read on its own (new rows' prompts, plain stretches)
+    catch_up_s: float = 0.0
+    prefix_hits: int = 0
+    prefix_reused_tokens: int = 0
+    prefix_draft_reused_tokens: int = 0
+    rows_steps: dict[int, int] = field(default_factory=dict)
+    width_steps: dict[int, int] = field(default_factory=dict)
+    policy_k: dict[int, int] = field(default_factory=dict)
+    requests: Metrics = field(default_factory=Metrics)
+
+    def record(self, report: StepReport, policy_k: int | None) -> None:
+        self.steps += 1
+        self.step_s += report.propose_s + report.score_s + report.verify_s
+        self.scored_tokens += report.scored_tokens
+        self.catch_up_tokens += report.catch_up_tokens
+        self.catch_up_s += report.catch_up_s
+        self.rows_steps[report.rows] = self.rows_steps.get(report.rows, 0) + 1
+        self.width_steps[report.width] = self.width_steps.get(report.width, 0) + 1
+        if policy_k is not None:
+            self.policy_k[policy_k] = self.policy_k.get(policy_k, 0) + 1
+
+    def summary(self) -> dict[str, Any]:
+        """Plain JSON-able counters (the merged request metrics under ``requests``)."""
+        names = ("steps", "step_s", "scored_tokens", "prefill_tokens", "prefill_s", "catch_up_tokens", "catch_up_s",
+                 "prefix_hits", "prefix_reused_tokens", "prefix_draft_reused_tokens", "rows_steps", "width_steps",
+                 "policy_k")
+        d = {name: getattr(self, name) for name in names}
+        d["mean_rows"] = sum(b * c for b, c in self.rows_steps.items()) / self.steps if self.steps else 0.0
+        d["requests"] = self.requests.summary()
+        return d

@@ -20,7 +20,6 @@ from verispec.engine.engine import Engine
 from verispec.errors import VerispecError
 from verispec.log import logger
 from verispec.server import completions
-from verispec.server.batch_worker import BatchWorker
 from verispec.server.canary import CanaryRouter
 from verispec.server.config import ServerConfig
 from verispec.server.errors import APIError, install_error_handlers
@@ -76,9 +75,9 @@ def _strip_422(app: FastAPI) -> None:
 def create_app(engine: Engine, config: ServerConfig, worker: Worker | None = None) -> FastAPI:
     """Build the app serving ``engine``; the worker thread starts and stops with the app's lifespan.
 
-    The default worker is a :class:`BatchWorker` (continuous batching) with ``config.max_batch``
-    slots, or the one-at-a-time :class:`EngineWorker` when ``max_batch`` is 1. ``worker``
-    replaces it (it must report to the app's metrics itself).
+    The default worker is an :class:`EngineWorker` driving ``engine`` with ``config.max_batch``
+    slots (continuous batching; 1 runs one request at a time). ``worker`` replaces it (it must
+    report to the app's metrics itself).
     """
     if engine.tokenizer is None:
         raise VerispecError("the server needs a model with a tokenizer")
@@ -87,10 +86,8 @@ def create_app(engine: Engine, config: ServerConfig, worker: Worker | None = Non
         label_sets.append((SPECULATIVE, config.spec.method))
     metrics = ServerMetrics(engine.config.max_len, config.stats_window_s, tuple(label_sets))
     if worker is None:
-        engine.prefix_reuse = config.prefix_reuse  # the one-request engine's switch (EngineWorker)
-        worker = (EngineWorker(engine, metrics, config.max_queue, config.spec) if config.max_batch == 1
-                  else BatchWorker(engine, metrics, config.max_queue, config.spec, config.max_batch,
-                                   prefix_reuse=config.prefix_reuse))
+        worker = EngineWorker(engine, metrics, config.max_queue, config.spec, config.max_batch,
+                              prefix_reuse=config.prefix_reuse)
     state = ServerState(engine, config, worker, metrics, CanaryRouter(config.spec_fraction), int(time.time()))
     dashboard = (files("verispec.server") / "dashboard.html").read_text(encoding="utf-8")
 

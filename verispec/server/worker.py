@@ -1,10 +1,16 @@
-"""The engine worker: runs generation requests on one dedicated thread and streams their tokens to asyncio.
+"""The engine worker: the one thread that drives the engine, streaming each request's tokens to asyncio.
 
-The engine is single-threaded, so every request goes through one thread fed by a bounded
-queue. The HTTP layer sees only the :class:`Worker` interface (``submit`` returns an async
-stream of events, ``cancel`` stops a request). :class:`EngineWorker` here runs one request at a
-time (``--max-batch 1``); :class:`~verispec.server.batch_worker.BatchWorker` implements the same
-interface on the continuous-batching engine.
+The engine is single-threaded and starts no threads, so every request goes through the worker's
+thread: it takes new requests and cancellations between steps, runs a step, then reports
+admissions, finished requests and KV usage to the observer. The asyncio side never touches the
+engine, so it never waits for a step. The HTTP layer sees only the :class:`Worker` interface
+(``submit`` returns an async stream of events, ``cancel`` stops a request).
+
+``max_queue`` bounds the requests submitted but not yet admitted to a slot; :meth:`EngineWorker.submit`
+raises :class:`QueueFullError` past it. A cancelled request leaves the batch before the next step
+(mid-step, a running one is stopped by its token callback), so its slot and KV tokens are free at
+once. A request the engine fails (its drafter raised, say) fails alone: the engine retries the
+step without it, and the others go on (see :meth:`Engine.step`).
 """
 
 from __future__ import annotations
@@ -12,13 +18,12 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 from verispec.config import METHODS, SpecConfig
-from verispec.engine.engine import GenerationResult
+from verispec.engine.engine import GenerationResult, RequestHandle
 from verispec.engine.metrics import Metrics
 from verispec.errors import VerispecError
 from verispec.log import logger
@@ -141,67 +146,77 @@ class Worker(Protocol):
     def stats(self) -> dict[str, Any]: ...
 
 
-@dataclass
-class _Job:
-    request: GenRequest
-    stream: TokenStream
-
-
 def cancelled_result(request: GenRequest) -> GenerationResult:
     """The result of a request cancelled before it ran."""
     return GenerationResult(list(request.prompt_ids), [], "", "cancelled",
                             Metrics(requests=1, prompt_tokens=len(request.prompt_ids)))
 
 
-class EngineWorker:
-    """Runs requests one at a time on a dedicated thread, in arrival order.
+@dataclass(eq=False)
+class _Job:
+    request: GenRequest
+    stream: TokenStream
+    handle: RequestHandle | None = None  # set once handed to the engine
+    started: bool = False  # admitted to a slot
+    cancelled: bool = False
+    last: float = 0.0  # when the previous tokens came (the ITL gap)
+    generated: int = 0
 
-    ``max_queue`` bounds the requests waiting behind the running one; :meth:`submit` raises
-    :class:`QueueFullError` past it. Cancelling a waiting request drops it at once; a running
-    one stops after its current step (the engine's ``on_tokens`` callback returns False).
+
+class EngineWorker:
+    """Runs requests ``max_batch`` at a time on the engine, admitted in arrival order.
+
+    ``kv_budget_tokens`` caps the KV tokens running requests reserve (prompt + max_tokens each;
+    default: every slot's full context). ``prefix_reuse`` lets a request reuse the KV an earlier
+    one left in its slot (see :mod:`verispec.engine.prefix`). The worker's own thread steps the engine.
     """
 
-    def __init__(self, engine: Engine, observer: Observer, max_queue: int, spec: SpecConfig) -> None:
-        self.engine = engine
+    def __init__(self, engine: Engine, observer: Observer, max_queue: int, spec: SpecConfig, max_batch: int,
+                 kv_budget_tokens: int | None = None, prefix_reuse: bool = True) -> None:
         self._observer = observer
         self._max_queue = max_queue
         self._spec = spec
+        wanted = dict(max_batch=max_batch, kv_budget_tokens=kv_budget_tokens, prefix_reuse=prefix_reuse)
+        if any(getattr(engine.config, name) != value for name, value in wanted.items()):
+            engine = engine.with_config(**wanted)  # the same models, slots as the server wants them
+        self.engine = engine
+        self.context_len = engine.max_len
         self._cond = threading.Condition()
-        self._waiting: deque[_Job] = deque()
-        self._running: _Job | None = None
-        self._cancel_running = False
+        self._jobs: dict[str, _Job] = {}  # every request not reported finished yet
+        self._inbox: list[_Job] = []  # submitted, not yet handed to the engine
+        self._waiting = 0  # submitted, not yet admitted
+        self._wake = False  # a cancellation or close the thread has not seen yet
         self._closing = False
         self._thread: threading.Thread | None = None
-        self.context_len = engine.config.max_len
+        self._labels: dict[tuple[str, str], GenRequest] = {}  # a request per (path, method) seen, for KV gauges
+        self._stats: dict[str, Any] = self._snapshot()
         self.available_methods = self._probe_methods()
 
     # -- lifecycle ---------------------------------------------------------------------------
 
     def _probe_methods(self) -> frozenset[str]:
-        """Build the drafter of every method that can be built; the others are unavailable.
+        """The methods the engine can serve (it builds and so validates each one's drafter)."""
+        return probe_methods(self._spec, self.engine.check_spec)
 
-        Runs before the thread exists (the engine is not thread-safe), so a request naming an
-        unavailable method gets a clean 400 instead of failing mid-stream.
-        """
-        return probe_methods(self._spec, self.engine.drafter)
+    def warm_up(self, k_max: int) -> None:
+        """Profile the cost policy's curves for k up to ``k_max`` before serving, if the default spec uses it."""
+        if self._spec.enabled and self._spec.k_policy == "cost" and self.engine.costs is None:
+            self.engine.profile(k_max)
 
     def start(self) -> None:
-        """Start the thread (idempotent)."""
+        """Start the stepping thread (idempotent)."""
         if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name="verispec-engine", daemon=True)
+            self._thread = threading.Thread(target=self._loop, name="verispec-batch-worker", daemon=True)
             self._thread.start()
 
     def close(self) -> None:
         """Stop accepting requests and cancel every waiting and running one (idempotent)."""
         with self._cond:
             self._closing = True
-            dropped = list(self._waiting)
-            self._waiting.clear()
-            if self._running is not None:
-                self._cancel_running = True
+            for job in self._jobs.values():
+                job.cancelled = True
+            self._wake = True
             self._cond.notify_all()
-        for job in dropped:
-            self._finish_unrun(job)
 
     def join(self, timeout: float | None = None) -> bool:
         """Wait for the thread to end (after :meth:`close`); True when it has."""
@@ -214,98 +229,158 @@ class EngineWorker:
 
     @property
     def num_waiting(self) -> int:
-        return len(self._waiting)
+        return self._waiting
 
     @property
     def num_running(self) -> int:
-        return int(self._running is not None)
+        return self._stats["running"]
 
     def stats(self) -> dict[str, Any]:
-        """The scheduling figures /stats shows (one slot)."""
-        return {"max_batch": 1, "running": self.num_running, "waiting": self.num_waiting}
+        """Slots, KV tokens and step figures as of the last step (a snapshot; safe from any thread)."""
+        return {**self._stats, "waiting": self._waiting}
 
     def submit(self, request: GenRequest) -> TokenStream:
-        """Queue ``request``; call from the asyncio loop that will consume the stream."""
+        """Queue ``request``; call from the asyncio loop that will consume the stream.
+
+        Raises :class:`VerispecError` for a request that could never be admitted (more tokens
+        than a slot or the KV budget holds).
+        """
+        self.engine.scheduler.check(len(request.prompt_ids) + request.params.max_tokens)  # reads constants only
         stream = TokenStream(request.request_id, asyncio.get_running_loop())
         with self._cond:
             if self._closing:
                 raise ShuttingDownError("the server is shutting down")
-            if len(self._waiting) >= self._max_queue:
-                raise QueueFullError(f"{len(self._waiting)} requests are already waiting")
-            self._waiting.append(_Job(request, stream))
+            if self._waiting >= self._max_queue:
+                raise QueueFullError(f"{self._waiting} requests are already waiting")
+            job = _Job(request, stream, last=request.arrival)
+            self._jobs[request.request_id] = job
+            self._inbox.append(job)
+            self._waiting += 1
             self._observer.queued(request)
             self._cond.notify()
         return stream
 
     def cancel(self, request_id: str) -> None:
-        """Cancel a waiting or running request; unknown or finished ids are ignored."""
-        dropped = None
+        """Cancel a waiting or running request; unknown or finished ids are ignored. Never blocks on a step."""
         with self._cond:
-            if self._running is not None and self._running.request.request_id == request_id:
-                self._cancel_running = True
+            job = self._jobs.get(request_id)
+            if job is None or job.cancelled:
                 return
-            for job in self._waiting:
-                if job.request.request_id == request_id:
-                    dropped = job
-                    self._waiting.remove(job)
-                    break
-        if dropped is not None:
-            self._finish_unrun(dropped)
-
-    def _finish_unrun(self, job: _Job) -> None:
-        result = cancelled_result(job.request)
-        self._observer.finished(job.request, result, ran=False)
-        job.stream.push(FinishedEvent(result))
+            job.cancelled = True
+            self._wake = True
+            self._cond.notify()
 
     # -- the thread --------------------------------------------------------------------------
 
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not self._waiting and not self._closing:
+                while not (self._inbox or self._wake or self.engine.has_work or self._closing):
                     self._cond.wait()
-                if not self._waiting:  # closing, and nothing left
+                if self._closing and not self._jobs:
                     return
-                job = self._waiting.popleft()
-                self._running, self._cancel_running = job, False
-            try:
-                self._run(job)
-            finally:
-                with self._cond:
-                    self._running = None
+                inbox, self._inbox, self._wake = self._inbox, [], False
+                cancelled = [job for job in self._jobs.values() if job.cancelled and job.handle is not None]
+            for job in inbox:
+                self._hand_over(job)
+            for job in cancelled:  # their slots are free before the next step
+                self.engine.cancel(job.handle)
+            if self.engine.has_work:
+                # A request that fails fails alone (its handle carries the error); the engine, and what it
+                # learned about costs, carries on with the others. step() itself raises only once the
+                # engine has stopped (every handle then has the error): it is reset and serves on.
+                try:
+                    self.engine.step()
+                except Exception:  # noqa: BLE001
+                    logger.exception("the engine stopped; resetting it and serving on")
+                    self._report()
+                    self.engine.reset()
+            self._report()
 
-    def _run(self, job: _Job) -> None:
-        req, stream, observer = job.request, job.stream, self._observer
-        max_len = self.engine.config.max_len
-        observer.started(req)
-        last = req.arrival
-        used = len(req.prompt_ids)
-        observer.kv_usage(req, min(1.0, used / max_len))
-
-        def on_tokens(_: int, tokens: list[int]) -> bool:
-            nonlocal last, used
-            if tokens:
-                now = time.perf_counter()
-                first = used == len(req.prompt_ids)
-                # Time per token of this step: a speculative step delivers several at once.
-                observer.tokens(req, len(tokens), (now - last) / (1 if first else len(tokens)), first)
-                last = now
-                used += len(tokens)
-                observer.kv_usage(req, min(1.0, used / max_len))
-                stream.push(TokensEvent(list(tokens)))
-            return not self._cancel_running
-
+    def _hand_over(self, job: _Job) -> None:
+        req = job.request
+        if job.cancelled:
+            self._done(job, FinishedEvent(cancelled_result(req)), None)
+            return
         try:
-            result = self.engine.generate(req.prompt_ids, req.params, req.spec, on_tokens=on_tokens)[0]
+            job.handle = self.engine.submit(req.prompt_ids, req.params, req.spec,
+                                            on_tokens=lambda tokens: self._on_tokens(job, tokens))
         except Exception as e:  # noqa: BLE001 (reported to the client, the worker carries on)
             if not isinstance(e, VerispecError):
                 logger.exception("request %s failed", req.request_id)
-            observer.finished(req, None, ran=True)
-            stream.push(FailedEvent(e))
-            return
-        observer.finished(req, result, ran=True)
-        stream.push(FinishedEvent(result))
+            self._done(job, FailedEvent(e), None)
 
+    def _on_tokens(self, job: _Job, tokens: list[int]) -> bool:
+        # On this thread, inside a step: stream the tokens; False stops a cancelled request now.
+        if not job.started:
+            self._started(job)
+        if tokens:
+            req, now = job.request, time.perf_counter()
+            first = job.generated == 0
+            # Time per token of this step: a speculative step delivers several at once.
+            self._observer.tokens(req, len(tokens), (now - job.last) / (1 if first else len(tokens)), first)
+            job.last = now
+            job.generated += len(tokens)
+            job.stream.push(TokensEvent(list(tokens)))
+        return not job.cancelled
+
+    def _started(self, job: _Job) -> None:
+        job.started = True
+        self._labels.setdefault((job.request.path, job.request.method), job.request)
+        with self._cond:
+            self._waiting -= 1
+        self._observer.started(job.request)
+
+    def _report(self) -> None:
+        """After a step: report admissions, finished requests, KV usage and the step figures."""
+        for job in list(self._jobs.values()):
+            handle = job.handle
+            if handle is None:
+                continue
+            if not job.started and handle.admitted_at is not None:
+                self._started(job)
+            if handle.done:
+                try:
+                    result = handle.result()
+                except Exception as e:  # noqa: BLE001 (the step failed; so does the request)
+                    self._done(job, FailedEvent(e), None)
+                else:
+                    if handle.admitted_at is not None:  # engine time, as the one-request worker reports it
+                        result.metrics.total_s = time.perf_counter() - handle.admitted_at
+                    self._done(job, FinishedEvent(result), result)
+        # KV usage per (path, method): the tokens the scheduler reserved for running requests.
+        by_handle = {job.handle: job for job in self._jobs.values() if job.handle is not None}
+        used = dict.fromkeys(self._labels, 0)
+        for item, tokens in self.engine.scheduler.running.values():
+            job = by_handle.get(item.handle)
+            if job is not None:
+                labels = job.request.path, job.request.method
+                used[labels] = used.get(labels, 0) + tokens
+        for labels, tokens in used.items():
+            self._observer.kv_usage(self._labels[labels], tokens / self.engine.kv_budget_tokens)
+        self._stats = self._snapshot()
+
+    def _done(self, job: _Job, event: FinishedEvent | FailedEvent, result: Any) -> None:
+        req = job.request
+        self._labels.setdefault((req.path, req.method), req)
+        with self._cond:
+            self._jobs.pop(req.request_id, None)
+            if not job.started:
+                self._waiting -= 1
+        self._observer.finished(req, result, ran=job.started)
+        job.stream.push(event)
+
+    def _snapshot(self) -> dict[str, Any]:
+        b = self.engine
+        st = b.stats
+        rows = st.rows_steps
+        return {"max_batch": b.slots, "running": b.num_running, "kv_used_tokens": b.kv_used_tokens,
+                "kv_budget_tokens": b.kv_budget_tokens, "steps": st.steps,
+                "rows_steps": {str(n): c for n, c in sorted(rows.items())},
+                "mean_rows": sum(n * c for n, c in rows.items()) / st.steps if st.steps else 0.0,
+                "prefix_reuse": b.prefix_reuse, "prefill_tokens": st.prefill_tokens, "prefix_hits": st.prefix_hits,
+                "prefix_reused_tokens": st.prefix_reused_tokens,
+                "prefix_draft_reused_tokens": st.prefix_draft_reused_tokens}
 
 
 def probe_methods(spec: SpecConfig, build: Any, hint: str = "") -> frozenset[str]:

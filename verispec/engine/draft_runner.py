@@ -1,9 +1,7 @@
-"""A draft model drafting for many sequences at once: one KV cache row per batch slot, lockstep forwards.
+"""The draft model's runner: one KV cache row per engine slot, every drafting row in lockstep forwards.
 
-The single-request :class:`~verispec.drafters.model.ModelDrafter` owns a one-row cache; a batch
-would need one drafter (and one forward per draft token) per row. Here all rows draft together:
-iteration j feeds every still-drafting row its latest token in one forward, so drafting k tokens
-for B rows costs k forwards, not B * k.
+All rows draft together: iteration j feeds every still-drafting row its latest token in one
+forward, so drafting k tokens for B rows costs k forwards, not B * k; one row is the B = 1 case.
 
 Rows catch up on what their draft cache has not seen yet (the target's bonus token, the last
 accepted draft) in the first iteration. Catch-ups differ per row, so that iteration is right-padded
@@ -17,8 +15,7 @@ Rows begun with a reduced draft vocabulary (``begin(slot, prompt, draft_vocab)``
 :mod:`verispec.drafters.vocab`) share one reduced head per forward when all drafting rows use the
 same ``draft_vocab``: the first ``draft_vocab`` ids plus the special tokens plus the union of the
 rows' prompt ids. Each row's logits are then cut to its own subset (prefix, specials, its own
-prompt's ids), so a row drafts what :class:`~verispec.drafters.model.ModelDrafter` would draft for
-it alone. A forward mixing such rows with full-vocabulary rows (or other sizes) runs the full head
+prompt's ids), so a row drafts what it would draft alone. A forward mixing such rows with full-vocabulary rows (or other sizes) runs the full head
 and cuts the reduced rows' logits the same way: still each row's own subset, just no saving.
 """
 
@@ -57,12 +54,17 @@ class DraftRow:
     done: bool = False
 
 
-class BatchDraftModel:
-    """Drafts for the rows of a batch with one model and one ``slots``-row KV cache."""
+class DraftRunner:
+    """Drafts for the engine's rows with one model and one ``slots``-row KV cache.
+
+    ``full_span``: every forward covers all slots (a compiled model's static shapes), not only the
+    span of the drafting rows.
+    """
 
     def __init__(self, model: Transformer, slots: int, cache_len: int, vocab_size: int | None = None,
-                 special_ids: Iterable[int] = ()) -> None:
+                 special_ids: Iterable[int] = (), full_span: bool = False) -> None:
         self.model = model
+        self.full_span = full_span
         self.cache = model.new_cache(slots, cache_len)
         # Draft and target embeddings may differ in padding rows; q must live on the target's vocabulary.
         self.vocab_size = vocab_size or model.args.vocab_size
@@ -142,7 +144,8 @@ class BatchDraftModel:
         return self._head, {slot: v for slot, v in reduced.items() if int(v[1].numel()) < n_union}
 
     def _generator(self, slot: int, generator: torch.Generator | None) -> torch.Generator | None:
-        # As ModelDrafter: a request generator on another device seeds, once per request, one on ours.
+        # A request's generator lives on the target's device; drafting elsewhere samples from one of
+        # our own on the draft's device, seeded once per request from the request's.
         device = self.model.device
         if generator is None or generator.device == device:
             return generator
@@ -197,7 +200,8 @@ class BatchDraftModel:
             feeds[r.slot] = seq[start:]
         active = [r for r in rows if r.k > 0]
         while active:
-            lo, hi = min(r.slot for r in active), max(r.slot for r in active) + 1
+            lo, hi = (0, self.cache.batch) if self.full_span else \
+                (min(r.slot for r in active), max(r.slot for r in active) + 1)
             width = max(len(feeds[r.slot]) for r in active)
             # Every slot in [lo, hi) runs: idle ones write dummies past their length (never read).
             starts = list(lengths[lo:hi])
@@ -210,7 +214,8 @@ class BatchDraftModel:
             # they are written all the same, and what their queries attend to is never read.
             kv_len = max(lengths[r.slot] for r in active) + width
             logits = self.model(tokens.to(device), pos.to(device), self.cache, kv_len=kv_len,
-                                rows=slice(lo, hi), last_only=width == 1, **head_arg)
+                                rows=slice(None) if self.full_span else slice(lo, hi), last_only=width == 1,
+                                **head_arg)
             self.forwards += 1
             self.reduced_forwards += int(head is not None)
             # Each row's logits at its own last real position: [len(active), V].
@@ -231,8 +236,8 @@ class BatchDraftModel:
 
     @staticmethod
     def _pick(rows: list[DraftRow], logits: torch.Tensor) -> None:
-        # Exactly ModelDrafter's choice per row, so a row drafts the same tokens alone or in a batch;
-        # greedy rows share one argmax (one device sync for the whole batch).
+        # Each row's choice depends on its own logits only, so a row drafts the same tokens alone or in
+        # a batch; greedy rows share one argmax (one device sync for the whole batch).
         greedy = [i for i, r in enumerate(rows) if r.params.greedy]
         if greedy:
             g = logits[greedy]
@@ -266,7 +271,7 @@ def _restrict(logits: torch.Tensor, n: int, extra: torch.Tensor) -> None:
 
 
 def _fit_vocab(logits: torch.Tensor, size: int) -> torch.Tensor:
-    # As ModelDrafter's: drop padding rows of a larger table, or pad a smaller one with -inf.
+    # Draft and target embeddings may differ in padding rows: drop a larger table's, pad a smaller one with -inf.
     if logits.shape[-1] > size:
         return logits[..., :size]
     return torch.nn.functional.pad(logits, (0, size - logits.shape[-1]), value=float("-inf"))

@@ -1,0 +1,275 @@
+"""The cost k policy and the cost curves it reads, on hand-built cost models (no models run).
+
+A row drafts only where the predicted goodput beats plain decoding by MIN_GAIN, joins only if its
+draft catch-up is won back, and every row's probes back off but never stop.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from verispec.config import SpecConfig
+from verispec.engine.costs import ContextCost, CostCurve, CostModel, monotone_fit
+from verispec.engine.policy import (
+    MIN_GAIN,
+    PROBE_K,
+    Acceptance,
+    AnswerLengths,
+    CostPolicy,
+    FixedK,
+    HeuristicK,
+    ProbeSchedule,
+    RowPlan,
+    expected_tokens,
+    request_policy,
+)
+
+
+def compute_bound() -> CostModel:
+    """Flat (memory-bound) up to 4 scored tokens, then 1 ms per token; draft forwards 0.2 ms."""
+    return CostModel(CostCurve({1: 4e-3, 4: 4e-3, 1024: 1.024}, smoothing=0),
+                     CostCurve({1: 2e-4, 64: 2e-4}, smoothing=0))
+
+
+def flat(target_s: float = 0.1, draft_s: float = 0.01, **kwargs) -> CostModel:
+    """A target whose forwards cost the same at any width: perfect acceptance always pays."""
+    return CostModel(CostCurve({1: target_s, 1024: target_s}, smoothing=0),
+                     CostCurve({1: draft_s, 64: draft_s}, smoothing=0), **kwargs)
+
+
+def row(acceptance: float | None = 0.1, cap: int = 5, **kwargs) -> RowPlan:
+    return RowPlan(cap, acceptance, model_draft=True, **kwargs)
+
+
+def probe_steps(policy: CostPolicy, steps: range, plans) -> list[tuple[int, list[int]]]:
+    """(step, ks) of every step in ``steps`` where some row drafts; ``plans()`` builds each step's rows."""
+    return [(s, ks) for s in steps if any(ks := policy.choose(plans()))]
+
+
+def test_speculates_alone_but_not_when_compute_bound():
+    policy = CostPolicy(compute_bound())
+    assert policy.choose([row(0.8, cap=6)])[0] >= 2
+    assert policy.choose([row(0.8, cap=6) for _ in range(16)]) == [0] * 16
+    # A lone row whose step is priced at 16 rows' span pays as the 16 rows do.
+    assert policy.choose([row(0.8, cap=6)], span=16) == [0]
+    # On a linear curve even perfect acceptance cannot pay: no draft and no probe, however often due.
+    linear = CostPolicy(CostModel(CostCurve({1: 1e-3, 100: 0.1}, smoothing=0)))
+    schedules = [ProbeSchedule(every=2) for _ in range(4)]
+    for _ in range(20):
+        assert linear.choose([RowPlan(6, 0.99, probes=s) for s in schedules]) == [0] * 4
+    assert linear.chosen == {0: 20}
+
+
+def test_a_clear_predicted_gain_is_needed():
+    # Draft forwards at 40% of a flat target step, k = 1: a = 0.5 predicts 1.07x, a = 0.45 1.04x.
+    costs = flat(0.1, 0.04)
+    assert expected_tokens(0.45, 1) / costs.step_s(4, 1) * costs.step_s(4, 0) == pytest.approx(1.036, abs=1e-3)
+    assert expected_tokens(0.5, 1) / costs.step_s(4, 1) * costs.step_s(4, 0) == pytest.approx(1.071, abs=1e-3)
+    assert CostPolicy(costs).choose([row(0.45, cap=1) for _ in range(4)]) == [0] * 4
+    assert CostPolicy(costs).choose([row(0.5, cap=1) for _ in range(4)]) == [1] * 4
+    assert CostPolicy(costs, min_gain=0.0).choose([row(0.45, cap=1) for _ in range(4)]) == [1] * 4
+
+
+def test_fixed_rows_keep_their_k_and_governed_rows_their_cap():
+    policy = CostPolicy(compute_bound())
+    fixed = [RowPlan(cap=3, fixed_k=5), RowPlan(cap=6, fixed_k=2), RowPlan(cap=0, fixed_k=4)]
+    assert policy.choose(fixed) == [3, 2, 0] and policy.chosen == {}  # nothing governed: nothing chosen
+    assert CostPolicy(flat()).choose([row(0.95, cap=6), row(0.95, cap=2), row(0.95, cap=0)]) == [6, 2, 0]
+    assert CostPolicy(flat()).choose([row(0.95, cap=6), RowPlan(cap=4, fixed_k=4)]) == [6, 4]
+
+
+def test_probes_back_off_to_a_bound_and_never_stop():
+    policy = CostPolicy(flat())  # a = 0.1 keeps the row plain (1.1 tokens per 0.11 s); a = 1 would pay
+    schedule = ProbeSchedule(every=2, max_every=8)
+    probes = probe_steps(policy, range(1, 1001), lambda: [row(probes=schedule)])
+    assert all(ks == [PROBE_K] for _, ks in probes)
+    steps = [s for s, _ in probes]
+    assert steps[:6] == [2, 6, 14, 22, 30, 38]  # waits 2, 4, 8, then 8 for ever
+    assert steps == [2, 6] + list(range(14, 1001, 8))
+    # A probe drafts at most the row's cap; the default schedule waits 8, 16, 32, 64, 64 ...
+    narrow = ProbeSchedule(every=2)
+    assert probe_steps(CostPolicy(flat()), range(1, 3), lambda: [row(cap=1, probes=narrow)]) == [(2, [1])]
+    default = ProbeSchedule()
+    assert [s for s, _ in probe_steps(CostPolicy(flat()), range(1, 200), lambda: [row(probes=default)])] == \
+        [8, 24, 56, 120, 184]
+
+
+def test_each_request_has_its_own_probe_schedule():
+    policy = CostPolicy(flat())
+    old, new = ProbeSchedule(every=2, max_every=8), ProbeSchedule(every=2, max_every=8)
+    assert [s for s, _ in probe_steps(policy, range(1, 15), lambda: [row(probes=old)])] == [2, 6, 14]
+    # A new request joins: it starts at every = 2 while the old one keeps its back-off (next at 22).
+    both = probe_steps(policy, range(15, 39), lambda: [row(probes=old), row(probes=new)])
+    assert both == [(16, [0, 2]), (20, [0, 2]), (22, [2, 0]), (28, [0, 2]), (30, [2, 0]), (36, [0, 2]),
+                    (38, [2, 0])]
+    # Choosing to speculate starts the schedule over: the next probe comes after 2 plain steps.
+    assert policy.choose([row(0.9, probes=old)]) == [5]
+    assert [policy.choose([row(probes=old)]) for _ in range(3)] == [[0], [PROBE_K], [0]]
+
+
+def test_a_probe_that_cannot_pay_stays_due():
+    # The row's draft must read 500 tokens (0.01 + 2.5 s): a probe saves 0.06 s per token at best,
+    # not won back over 20 tokens. It does not run, and runs on the first step it can pay.
+    policy = CostPolicy(flat(catch_up_per_token_s=0.005))
+    schedule = ProbeSchedule(every=2)
+    assert [policy.choose([row(catch_up=500, horizon=20, probes=schedule)]) for _ in range(6)] == [[0]] * 6
+    assert (schedule.gap, schedule.streak) == (0, 6)
+    assert policy.choose([row(catch_up=0, horizon=20, probes=schedule)]) == [PROBE_K]
+    assert policy.choose([row(probes=schedule)]) == [0] and schedule.gap == 4  # it ran: the wait grows
+
+
+def test_a_probe_whose_rows_drop_out_is_priced_without_them():
+    # Two rows due; b's catch-up (2.51 s) is never won back over 20 tokens. Both drafting 2 at a = 1
+    # pay (6 tokens per 0.22 s vs 2 per 0.1 s), a alone does not (4 per 0.22 s): no probe should run.
+    costs = CostModel(CostCurve({2: 0.1, 6: 0.2, 64: 2.0}, smoothing=0), CostCurve({1: 0.01, 64: 0.01}, smoothing=0),
+                      catch_up_per_token_s=0.005)
+    assert (1 + expected_tokens(1.0, 2)) / costs.step_s(2, 2) < (1 + MIN_GAIN) * 2 / costs.step_s(2, 0)
+    a, b = row(horizon=20, probes=ProbeSchedule(every=1)), row(catch_up=500, horizon=20, probes=ProbeSchedule(every=1))
+    assert CostPolicy(costs).choose([a, b]) == [0, 0]
+
+
+def test_a_row_whose_catch_up_cannot_pay_back_stays_plain():
+    costs = CostModel(CostCurve({1: 0.1, 64: 0.1}, smoothing=0), CostCurve({1: 0.01}, smoothing=0),
+                      catch_up_per_token_s=0.005)
+    policy = CostPolicy(costs)
+    short, long, current = (row(0.8, catch_up=500, horizon=10), row(0.8, catch_up=500, horizon=1000),
+                            row(0.8, catch_up=0, horizon=10))
+    assert policy.choose([short, long, current]) == [0, 2, 2]
+    assert policy.choose([row(0.8, catch_up=500, horizon=10)]) == [0]
+    assert policy.choose([row(0.8, catch_up=0, horizon=10)]) == [5]
+    # What the chosen step saves per token wins the 500-token read back over 1000 tokens, not over 10.
+    saved = costs.step_s(3, 0) / 3 - costs.step_s(3, 2) / (1 + 2 * expected_tokens(0.8, 2))
+    assert costs.catch_up_s(500) == pytest.approx(0.01 + 2.5)
+    assert saved * 1000 > costs.catch_up_s(500) > saved * 10
+    assert costs.catch_up_s(0) == 0
+    # Measured catch-ups: what exceeds one one-row forward each is charged per token read.
+    costs.observe_catch_up(count=2, tokens=100, seconds=2 * 0.01 + 0.1)
+    assert costs.catch_up_per_token_s == pytest.approx(0.005 + 0.1 * (0.001 - 0.005))
+
+
+def test_long_contexts_make_drafting_dearer():
+    # Each scored token pays 1 us per position past 64, each draft row 2 us.
+    costs = CostModel(CostCurve({1: 0.01, 64: 0.01}, smoothing=0), CostCurve({1: 1e-3, 64: 1e-3}, smoothing=0),
+                      per_position=ContextCost(64, 1e-6, 2e-6))
+    policy = CostPolicy(costs)
+
+    def goodput(k: int, context: int) -> float:
+        return expected_tokens(0.8, k) / costs.step_s(1, k, context=context)
+
+    (k,) = policy.choose([row(0.8, context=100)])
+    assert k == 5 and goodput(5, 100) == max(goodput(j, 100) for j in range(6)) > (1 + MIN_GAIN) * goodput(0, 100)
+    assert policy.choose([row(0.8, context=4000)]) == [0]
+    assert all(goodput(j, 4000) < (1 + MIN_GAIN) * goodput(0, 4000) for j in range(1, 6))
+    # A step's context is its longest row's: a short row beside a long one drafts no more.
+    assert policy.choose([row(0.8, context=100), row(0.8, context=4000)]) == [0, 0]
+    blind = CostPolicy(CostModel(costs.target, costs.draft))
+    assert blind.choose([row(0.8, context=4000)]) == [5]
+
+
+def test_a_drafter_s_own_cost_can_make_drafting_lose():
+    policy = CostPolicy(CostModel(CostCurve({1: 0.01, 64: 0.01}, smoothing=0)))  # no draft model
+    assert [policy.choose([RowPlan(4, 0.8, draft_token_s=s)]) for s in (0.0, 1e-3, 3e-3, 1e-2)] == \
+        [[4], [4], [3], [0]]
+
+
+def test_acceptance_is_the_geometric_estimate_with_a_prior():
+    bare = Acceptance(prior_weight=0.0, decay=1.0)
+    bare.update(drafted=5, accepted=2)
+    bare.update(drafted=5, accepted=3)
+    assert bare.rate == pytest.approx(5 / 7)  # accepted / (accepted + rejections), not 5 / 10
+    bare.update(drafted=4, accepted=4)  # all accepted: no rejection
+    bare.update(drafted=0, accepted=0)  # drafted nothing: learns nothing
+    assert bare.rate == pytest.approx(9 / 11)
+    prior = Acceptance(decay=1.0)
+    assert prior.rate == 0.6
+    prior.update(drafted=5, accepted=2)
+    assert prior.rate == pytest.approx((2 + 1.2) / (3 + 2))
+    recent = Acceptance(decay=0.5)
+    recent.update(2, 2)
+    recent.update(2, 0)
+    assert (recent.accepted, recent.rejected) == (1.0, 1.0)
+    assert expected_tokens(0.5, 2) == 1.75 and expected_tokens(1.0, 3) == 4.0 and expected_tokens(0.3, 0) == 1.0
+
+
+def test_answer_lengths_expect_the_mean_remainder_of_longer_answers():
+    lengths = AnswerLengths()
+    assert lengths.expected_remaining(5, 40) == 40  # nothing known: the limit
+    for n, cut in ((10, False), (20, False), (31, False), (30, True)):
+        lengths.add(n, cut)
+    assert lengths.expected_remaining(15, 40) == 20  # (5 + 16 + 40) / 3; the cut answer runs to the limit
+    assert lengths.expected_remaining(15, 10) == 8  # (5 + 10 + 10) / 3: each at most the limit
+    assert lengths.expected_remaining(40, 25) == 25  # none ran longer
+    assert lengths.expected_remaining(30, 40) == 1  # (1 + 40) / 2 rounds; never below 1 otherwise
+    small = AnswerLengths(window=2)
+    for n in (1, 2, 3):
+        small.add(n, False)
+    assert small.recent == [(2, False), (3, False)]
+
+
+def test_a_one_answer_window_keeps_one_answer():
+    lengths = AnswerLengths(window=1)
+    for n in (1, 2, 3):
+        lengths.add(n, False)
+    assert lengths.recent == [(3, False)]
+
+
+def test_request_policies_and_the_heuristic_k():
+    def policy(k_policy: str, k: int = 6):
+        return request_policy(SpecConfig(method="draft", k=k, k_policy=k_policy))
+
+    assert policy("cost") is None
+    assert type(policy("fixed")) is FixedK and policy("fixed") == FixedK(6) == policy("confidence")
+    assert policy("heuristic") == HeuristicK(k=4, k_max=6) and policy("heuristic", 3) == HeuristicK(k=3, k_max=3)
+    assert FixedK(6).choose(4) == 4 and FixedK(2).choose(4) == 2
+    h = HeuristicK(k=2, k_max=5)
+    ks = []
+    for drafted, accepted in ((2, 2), (4, 4), (5, 5), (5, 1), (0, 0), (4, 0), (3, 0), (2, 0), (1, 0)):
+        h.update(drafted, accepted)
+        ks.append(h.k)
+    assert ks == [4, 5, 5, 4, 4, 3, 2, 1, 1]  # +2 on a full accept (to k_max), -1 on a rejection (to k_min)
+    assert h.choose(3) == 1
+
+
+def test_cost_curve_learns_between_profiled_points_only():
+    curve = CostCurve({1: 1.0, 5: 2.0}, smoothing=0.5)
+    curve.observe(4, 2.75)  # read 1.75 there: an error of 1.0, shared 1/4 : 3/4 by the neighbours
+    assert curve.points == {1: 1.125, 5: 2.375}
+    curve.observe(9, 100.0)  # outside the profiled range: ignored
+    assert curve.points == {1: 1.125, 5: 2.375}
+    curve.observe(5, 2.375 + 1.0)
+    assert curve.points[5] == 2.875
+    frozen = CostCurve({1: 1.0, 5: 2.0}, smoothing=0)
+    frozen.observe(5, 10.0)
+    assert frozen.points == {1: 1.0, 5: 2.0}
+
+
+def test_cost_curve_pools_an_outlier_and_extends_at_the_last_slope():
+    assert monotone_fit([1.0, 3.0, 1.0, 1.0, 5.0]) == [1.0, 5 / 3, 5 / 3, 5 / 3, 5.0]
+    assert monotone_fit([1.0, 2.0, 3.0]) == [1.0, 2.0, 3.0]
+    # One slow profile point at 3 tokens: pooled, it does not price every k >= 2 at the spike.
+    curve = CostCurve({1: 0.0755, 2: 0.0778, 3: 0.1217, 4: 0.0782, 5: 0.0779, 6: 0.0790}, smoothing=0)
+    assert curve(6) < 0.0905 and curve(2) < curve(3) <= curve(6)
+    assert CostPolicy(CostModel(curve, CostCurve({1: 0.0108}, smoothing=0))).choose([row(0.8)]) == [5]
+    line = CostCurve({1: 1.0, 5: 2.0}, smoothing=0)
+    assert (line(0), line(3), line(9)) == (1.0, 1.5, 3.0)  # clamped below, interpolated, extended at 1/4
+    assert CostCurve({4: 2.0}, smoothing=0)(8) == 4.0  # one point: proportional
+    assert CostCurve({1: 2.0, 5: 1.0}, smoothing=0)(9) == 1.5  # pooled flat: never falls
+
+
+def test_cost_model_composes_draft_target_and_context():
+    costs = CostModel(CostCurve({1: 0.1, 64: 0.2}), CostCurve({1: 0.01, 64: 0.01}),
+                      per_position=ContextCost(64, 1e-5, 2e-5))
+    target = CostCurve({1: 0.1, 64: 0.2})(12)
+    assert costs.step_s(4, 2, context=164) == pytest.approx(2 * (0.01 + 4 * 100 * 2e-5) + target + 12 * 100 * 1e-5)
+    assert costs.step_s(4, 2, draft_k=0) == pytest.approx(target)  # lookups: no draft forwards
+    assert costs.step_s(4, 2, context=10) == pytest.approx(2 * 0.01 + target)  # within the profiled context
+    assert CostModel(costs.target).draft_s(4, 1000) == 0.0
+    # The curve learns only what the context does not explain (here 0.1 s slower than predicted).
+    aware = CostModel(CostCurve({16: 0.7, 32: 1.34}), per_position=ContextCost(64, 55e-6, 35e-6))
+    for _ in range(30):
+        aware.observe_target(16, 0.7 + 16 * 936 * 55e-6, context=1000)
+    assert aware.target.points[16] == pytest.approx(0.7)
+    aware.observe_target(16, 0.7 + 16 * 936 * 55e-6 + 0.1, context=1000)
+    assert aware.target.points[16] == pytest.approx(0.71)
+    with pytest.raises(ValueError):
+        ContextCost(64, target_s=-1.0)

@@ -1,0 +1,125 @@
+"""A request's life in the engine: its handle for the caller, its state for the engine, its result."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from verispec.config import SpecConfig
+from verispec.drafters.base import Drafter
+from verispec.engine.metrics import Metrics
+from verispec.engine.policy import Acceptance, FixedK, ProbeSchedule
+from verispec.engine.step import Row
+from verispec.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from verispec.engine.engine import Engine
+
+OnTokens = Callable[[list[int]], bool | None]
+
+
+@dataclass
+class GenerationResult:
+    """One request's output: text (when a tokenizer is present), token ids and what it measured."""
+
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str  # "stop" (EOS or a stop string), "length", "cancelled" or "error"
+    metrics: Metrics = field(repr=False)
+
+
+class RequestHandle:
+    """A submitted request: wait for its result, stream its tokens, or cancel it.
+
+    The engine runs no thread of its own: :meth:`result` and iterating the handle (``for chunk in
+    handle``: the token lists each step adds) run the engine's steps, which advance every running
+    request, until this one is done. ``submitted_at``, ``admitted_at``, ``first_token_at`` and
+    ``finished_at`` are ``time.perf_counter()`` stamps.
+    """
+
+    def __init__(self, engine: Engine, request_id: int, prompt: list[int]) -> None:
+        self._engine, self.id, self.prompt_token_ids = engine, request_id, prompt
+        self._chunks: deque[list[int]] = deque()
+        self._result: GenerationResult | None = None
+        self._error: BaseException | None = None
+        self.submitted_at = time.perf_counter()
+        self.admitted_at: float | None = None
+        self.first_token_at: float | None = None
+        self.finished_at: float | None = None
+
+    @property
+    def done(self) -> bool:
+        return self._result is not None or self._error is not None
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self._result.finish_reason if self._result is not None else None
+
+    def cancel(self) -> bool:
+        """Stop the request now (finish reason ``"cancelled"``); False if it had already finished."""
+        return self._engine.cancel(self)
+
+    def result(self) -> GenerationResult:
+        """The finished request's result, stepping the engine until it is done; raises the request's error."""
+        while not self.done:
+            self._engine.step()
+        return self._outcome()
+
+    def __iter__(self) -> Iterator[list[int]]:
+        while True:
+            if self._chunks:
+                yield self._chunks.popleft()
+            elif self.done:
+                self._outcome()  # raises the request's error, if any
+                return
+            else:
+                self._engine.step()
+
+    def _outcome(self) -> GenerationResult:
+        if self._error is not None:
+            raise self._error
+        assert self._result is not None
+        return self._result
+
+    # -- called by the engine ------------------------------------------------------------
+
+    def _push(self, tokens: list[int]) -> None:
+        if self.first_token_at is None:
+            self.first_token_at = time.perf_counter()
+        self._chunks.append(tokens)
+
+    def _finish(self, result: GenerationResult | None, error: BaseException | None = None) -> None:
+        self.finished_at = time.perf_counter()
+        self._result, self._error = result, error
+
+
+@dataclass(eq=False)
+class Request:
+    """Engine-side state of one request.
+
+    ``kpolicy`` is its own k policy (fixed, heuristic), or None where the engine's cost policy
+    governs it from ``acceptance`` and ``probes``. ``drafter`` is the caller's own drafter, if any.
+    """
+
+    handle: RequestHandle
+    prompt: list[int]
+    params: SamplingParams
+    spec: SpecConfig
+    on_tokens: OnTokens | None
+    metrics: Metrics
+    drafter: Drafter | None = None
+    kpolicy: FixedK | None = None
+    acceptance: Acceptance = field(default_factory=Acceptance)
+    probes: ProbeSchedule = field(default_factory=ProbeSchedule)
+    governed: bool = False  # the cost policy chose this step's k
+    row: Row | None = None
+    generator: torch.Generator | None = None
+    out: list[int] = field(default_factory=list)
+    prefilled: bool = False
+    done: bool = False
