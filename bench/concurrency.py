@@ -1,7 +1,7 @@
 """Throughput and latency under concurrency: plain vs speculative (fixed k) vs the concurrency-aware policy.
 
 A closed loop of C clients (C in --concurrency) each keeps one request in flight on one
-BatchEngine: when a request finishes, the next Spec-Bench prompt takes its place. For every C and
+Engine with slots: when a request finishes, the next Spec-Bench prompt takes its place. For every C and
 mode it reports total throughput (generated tokens / wall time) and per-request latency (submit to
 last token, p50/p95) and time to first token; the concurrency-aware mode also records the k it
 chose. Writes concurrency.md, concurrency.json and concurrency.png into --out.
@@ -32,10 +32,9 @@ from verispec import Engine, SamplingParams, SpecConfig, VerispecError
 from verispec.bench.datasets import default_spec_bench, spec_bench
 from verispec.bench.hardware import machine
 from verispec.config import PLAIN
-from verispec.engine.batch import BatchEngine
-from verispec.engine.batch_step import EngineStats
 from verispec.engine.engine import GenerationResult
 from verispec.engine.metrics import Metrics
+from verispec.engine.step import EngineStats
 
 ALONE = "alone"  # the single-request Engine with the cost policy, one request after another (concurrency 1 only)
 MODES = ("plain", "fixed", "policy", ALONE)
@@ -84,7 +83,7 @@ def percentile(values: list[float], q: float) -> float:
     return s[lo] + (s[hi] - s[lo]) * (x - lo)
 
 
-def closed_loop(be: BatchEngine, prompts: list[list[int]], clients: int, params: SamplingParams,
+def closed_loop(be: Engine, prompts: list[list[int]], clients: int, params: SamplingParams,
                 spec: SpecConfig) -> dict[str, Any]:
     """Serve ``prompts`` keeping ``clients`` requests in flight; return throughput and latency figures."""
     be.stats = EngineStats()

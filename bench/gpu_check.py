@@ -37,7 +37,6 @@ os.environ.setdefault("VERISPEC_KERNELS", "stock")  # the CPU kernels are not wh
 import torch  # noqa: E402
 
 from verispec import Engine, EngineConfig, SamplingParams, SpecConfig  # noqa: E402
-from verispec.engine.batch import BatchEngine  # noqa: E402
 from verispec.engine.compiled import CompiledForward, compile_model  # noqa: E402
 from verispec.engine.policy import expected_tokens  # noqa: E402
 from verispec.models.args import ModelArgs  # noqa: E402

@@ -3,7 +3,7 @@
 A ~1,000-token conversation (a code file and a question, and the model's answer), then a follow-up
 turn. With reuse the follow-up lands in the slot the conversation left and prefills only the new
 turn; without, it prefills the whole conversation again (and a draft model reads it again too).
-One :class:`~verispec.engine.batch.BatchEngine` per setting over the same loaded models, per spec
+One :class:`~verispec.engine.engine.Engine` per setting over the same loaded models, per spec
 (plain decoding and the draft model with a fixed k, so the first step drafts). Greedy outputs of
 the two settings are compared. On a 2-core AVX2 host with the int4 pair the run takes about 14
 minutes, nearly all of it full prefills (the first turn and the follow-up without reuse, per spec).
@@ -23,7 +23,6 @@ from typing import Any
 
 from verispec import Engine, SamplingParams, SpecConfig
 from verispec.bench.hardware import machine
-from verispec.engine.batch import BatchEngine
 
 QUESTION = "Here is a module of our inventory service:\n\n```python\n{code}```\n\nWhat does it do? Be brief."
 FOLLOW_UP = "Write a unit test for `restock` in the same style."
@@ -43,7 +42,7 @@ def code_file(lines: int) -> str:
     return "".join(out)
 
 
-def ttft(be: BatchEngine, ids: list[int], params: SamplingParams, spec: SpecConfig) -> dict[str, Any]:
+def ttft(be: Engine, ids: list[int], params: SamplingParams, spec: SpecConfig) -> dict[str, Any]:
     """Run one request to the end; its time to first token and what it reused."""
     prefilled, draft_reused = be.stats.prefill_tokens, be.stats.prefix_draft_reused_tokens
     result = be.generate([ids], params, spec)[0]

@@ -40,28 +40,29 @@ PROMPTS = [
 
 
 def _draft_server(conn: Any, draft: str, dtype: str, max_len: int, vocab: int, threads: int) -> None:
-    """The draft process: a ModelDrafter behind a pipe. Messages: begin, propose (with a pending commit), stop."""
+    """The draft process: a one-slot draft runner (the engine's) behind a pipe. Messages: begin, propose
+    (with a pending commit), stop."""
     torch.set_num_threads(threads)
     from verispec.config import resolve_dtype
-    from verispec.drafters.model import ModelDrafter
+    from verispec.engine.draft_runner import DraftRow, DraftRunner
     from verispec.models.loader import build_model, open_source
 
     model = build_model(open_source(draft), resolve_dtype(dtype), progress=False)
-    drafter = ModelDrafter(model, max_len, vocab)
+    runner = DraftRunner(model, 1, max_len + 80, vocab)
     conn.send("ready")
     while True:
         msg = conn.recv()
         if msg[0] == "stop":
             break
         if msg[0] == "begin":
-            drafter.begin(msg[1])
+            runner.begin(0, msg[1])
             conn.send(None)
         else:  # ("propose", n_valid or None, seq, k, params)
             _, n_valid, seq, k, params = msg
             if n_valid is not None:
-                drafter.commit(n_valid)
+                runner.commit(0, n_valid)
             t0 = time.perf_counter()
-            tokens = drafter.propose(seq, k, params, None).tokens
+            tokens = runner.propose([DraftRow(0, seq, k, params, None)])[0].tokens
             conn.send((tokens, time.perf_counter() - t0))
     conn.close()
 

@@ -19,11 +19,8 @@ from tiny import make_tiny
 from verispec import SamplingParams, SpecConfig, VerispecError
 from verispec.bench.methods import parse_method
 from verispec.config import DEFAULT_SPEC
-from verispec.drafters.hybrid import HybridDrafter
-from verispec.drafters.model import ModelDrafter
 from verispec.drafters.vocab import DraftVocab, linear_rows, prefix_linear, special_token_ids
-from verispec.engine.batch import BatchEngine
-from verispec.engine.batch_draft import BatchDraftModel, DraftRow
+from verispec.engine.draft_runner import DraftRow, DraftRunner
 from verispec.kernels import use_fast
 from verispec.models.linear import make_linear
 from verispec.models.loader import build_model, open_source
@@ -152,52 +149,70 @@ def plain(engine):
     return [r.token_ids for r in engine.generate(VOCAB_PROMPTS, GREEDY)]
 
 
-def _record(drafter: ModelDrafter) -> list[int]:
-    """Wrap ``drafter.propose`` to collect every token it proposes."""
+def _record(runner: DraftRunner) -> list[int]:
+    """Wrap ``runner.propose`` (an engine's draft runner) to collect every token it proposes."""
     seen: list[int] = []
-    propose = drafter.propose
+    propose = runner.propose
 
-    def recording(*args, **kwargs):
-        p = propose(*args, **kwargs)
-        seen.extend(p.tokens)
-        return p
+    def recording(rows):
+        proposals = propose(rows)
+        for p in proposals:
+            seen.extend(p.tokens)
+        return proposals
 
-    drafter.propose = recording
+    runner.propose = recording
     return seen
+
+
+def _runner(engine, slots: int = 1) -> DraftRunner:
+    """A draft runner of its own over ``engine``'s draft model (the engine's special ids)."""
+    return DraftRunner(engine.draft, slots, 64, engine.target.args.vocab_size, engine.eos_ids)
 
 
 @pytest.mark.parametrize("method", ["draft", "hybrid"])
 def test_greedy_output_equals_plain(engine, plain, method):
     spec = SpecConfig(k_policy="fixed", method=method, k=4, draft_vocab=N)
-    drafter = engine.drafter(spec)
-    model = drafter.model if isinstance(drafter, HybridDrafter) else drafter
-    assert isinstance(model, ModelDrafter) and model.subset is not None
-    proposed = _record(model)
-    results = engine.generate(VOCAB_PROMPTS, GREEDY, spec)
+    own = engine.with_config()  # a new engine over the same models: a draft runner of its own to watch
+    runner = own.draft_runner
+    proposed = _record(runner)
+    results = own.generate(VOCAB_PROMPTS, GREEDY, spec)
     assert [r.token_ids for r in results] == plain
     assert sum(r.metrics.accepted for r in results) > 0
+    # One row at a time, every one begun with the reduced vocabulary: every draft forward ran the reduced head.
+    assert runner.forwards > 0 and runner.reduced_forwards == runner.forwards
     # Every draft token is in the prefix, a special token or the prompt it was drafted for.
     allowed = set(range(N)) | engine.eos_ids | {t for p in VOCAB_PROMPTS for t in p}
     assert proposed and set(proposed) <= allowed
     # The full head drafts outside that set here, so the cut really changed the drafts.
-    full = engine.drafter(replace(spec, draft_vocab=None))
-    full_proposed = _record(full.model if isinstance(full, HybridDrafter) else full)
-    engine.generate(VOCAB_PROMPTS, GREEDY, replace(spec, draft_vocab=None))
+    full = engine.with_config()
+    full_proposed = _record(full.draft_runner)
+    assert [r.token_ids for r in full.generate(VOCAB_PROMPTS, GREEDY, replace(spec, draft_vocab=None))] == plain
+    assert full.draft_runner.forwards > 0 and full.draft_runner.reduced_forwards == 0
     assert not set(full_proposed) <= allowed
 
 
+@torch.inference_mode()
 def test_prompt_ids_are_draftable(engine):
-    drafter = engine.drafter(SpecConfig(k_policy="fixed", method="draft", k=4, draft_vocab=N))
-    drafter.begin([40, 41, 42])
-    assert drafter.head.extra_ids.tolist() == [40, 41, 42]
-    drafter.begin([3, 4])  # the next request's head has that request's prompt ids only
-    assert drafter.head.extra_ids.tolist() == []
+    runner = _runner(engine)
+    runner.begin(0, [40, 41, 42], N)
+    assert runner._row_vocab[0][1].tolist() == [40, 41, 42]
+    runner.propose([DraftRow(0, [40, 41, 42], 2, GREEDY, None)])
+    assert runner._head is not None and runner._head.extra_ids.tolist() == [40, 41, 42]
+    runner.release(0)
+    runner.begin(0, [3, 4], N)  # the next request's head has that request's prompt ids only
+    assert runner._row_vocab[0][1].tolist() == []
+    runner.propose([DraftRow(0, [3, 4], 2, GREEDY, None)])
+    assert runner._head.extra_ids.tolist() == []
+    assert runner.reduced_forwards == runner.forwards == 4
 
 
+@torch.inference_mode()
 def test_full_size_is_a_no_op(engine):
-    drafter = engine.drafter(SpecConfig(k_policy="fixed", method="draft", k=4, draft_vocab=96))
-    drafter.begin([40])
-    assert drafter.subset is None and drafter.head is None
+    runner = _runner(engine)
+    runner.begin(0, [40], 96)
+    assert 0 not in runner._row_vocab
+    runner.propose([DraftRow(0, [40], 2, GREEDY, None)])
+    assert runner._head is None and runner.reduced_forwards == 0 and runner.forwards == 2
 
 
 @pytest.mark.parametrize("batch", [1, 3, 6])
@@ -212,30 +227,33 @@ def test_batched_draft_uses_the_reduced_head(engine, plain):
     be = engine.with_config(max_batch=4)
     results = be.generate(VOCAB_PROMPTS, GREEDY, spec)
     assert [r.token_ids for r in results] == plain
-    assert be.draft_model.reduced_forwards > 0
+    assert be.draft_runner.reduced_forwards > 0
 
 
 @torch.inference_mode()
 def _batch_proposals(engine, vocabs: list[int | None], prompts: list[list[int]], k: int = 4) -> list[list[int]]:
-    bd = BatchDraftModel(engine.draft, len(prompts), 64, engine.target.args.vocab_size, engine.eos_ids)
+    runner = _runner(engine, len(prompts))
     for slot, (p, v) in enumerate(zip(prompts, vocabs, strict=True)):
-        bd.begin(slot, p, v)
+        runner.begin(slot, p, v)
     rows = [DraftRow(slot, p, k, GREEDY, None) for slot, p in enumerate(prompts)]
-    out = [p.tokens for p in bd.propose(rows)]
-    assert bd.reduced_forwards == (k if all(v == N for v in vocabs) else 0)
+    out = [p.tokens for p in runner.propose(rows)]
+    assert runner.reduced_forwards == (k if all(v == N for v in vocabs) else 0)
     return out
 
 
+@torch.inference_mode()
 @pytest.mark.parametrize("vocabs", [[N, N, N], [N, None, N], [None, None, None]])
-def test_batch_draft_model_drafts_as_the_model_drafter(engine, vocabs):
-    """Each row drafts what ModelDrafter drafts for it alone, whatever the other rows' prompts or vocabularies."""
+def test_each_row_drafts_what_it_drafts_alone(engine, vocabs):
+    """Each row of a draft runner drafts what a one-slot runner drafts for it alone, whatever the other rows'
+    prompts or vocabularies."""
     prompts = [[40, 41, 42, 40, 41], [3, 70, 5, 71, 3, 70], [10, 20, 30, 40, 50, 60, 10, 20, 30]]
     batched = _batch_proposals(engine, vocabs, prompts)
     alone = []
     for p, v in zip(prompts, vocabs, strict=True):
-        d = ModelDrafter(engine.draft, 64, engine.target.args.vocab_size, draft_vocab=v, special_ids=engine.eos_ids)
-        d.begin(p)
-        alone.append(d.propose(p, 4, GREEDY, None).tokens)
+        one = _runner(engine)
+        one.begin(0, p, v)
+        alone.append(one.propose([DraftRow(0, p, 4, GREEDY, None)])[0].tokens)
+        assert one.reduced_forwards == (4 if v == N else 0)
     assert batched == alone
     for toks, p, v in zip(batched, prompts, vocabs, strict=True):
         if v is not None:
@@ -262,8 +280,7 @@ def test_sampling_matches_the_target(vocab32):
     # The cut matters: the target puts real mass on ids outside the draft's subset.
     outside = exact.reshape(32, 32)
     assert outside[16:].sum() + outside[:, 16:].sum() > 0.2
-    drafter = engine.drafter(spec)
-    proposed = _record(drafter)
+    proposed = _record(engine.draft_runner)
     counts = sampled_first_two(engine, prompt, params, spec, 3000)
     p = chi_square_p(counts, exact)
     assert p > 1e-3, f"speculative samples deviate from the target distribution (p = {p:.2e})"

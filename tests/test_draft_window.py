@@ -1,9 +1,9 @@
 """A draft window (``window=N``): the draft model reads a long prompt's first 4 and last N tokens.
 
-The view is exact bookkeeping (which tokens, which cache lengths); a windowed drafter drafts
-exactly what an unwindowed one drafts for the view; speculation with it stays lossless (greedy
-token for token alone and batched, sampling by chi-square); the k policy is charged only the
-window's catch-up; bad values are VerispecErrors.
+The view is exact bookkeeping (which tokens, which cache lengths); a windowed row of the draft
+runner drafts exactly what an unwindowed one drafts for the view, alone or among other rows;
+speculation with it stays lossless (greedy token for token alone and batched, sampling by
+chi-square); the k policy is charged only the window's catch-up; bad values are VerispecErrors.
 """
 
 from __future__ import annotations
@@ -15,12 +15,9 @@ from tiny import make_tiny
 
 from verispec import SamplingParams, SpecConfig, VerispecError
 from verispec.bench.methods import parse_method
-from verispec.config import DEFAULT_SPEC
-from verispec.drafters.hybrid import HybridDrafter
-from verispec.drafters.model import ModelDrafter
+from verispec.config import DEFAULT_SPEC, check_draft_window
 from verispec.drafters.window import SINK_TOKENS, DraftWindow
-from verispec.engine.batch import BatchEngine
-from verispec.engine.batch_draft import BatchDraftModel, DraftRow
+from verispec.engine.draft_runner import DraftRow, DraftRunner
 from verispec.models.loader import build_model, open_source
 
 W = 8
@@ -52,46 +49,59 @@ def plain(engine):
     return [r.token_ids for r in engine.generate(WINDOW_PROMPTS, GREEDY)]
 
 
-def _model_drafter(drafter) -> ModelDrafter:
-    model = drafter.model if isinstance(drafter, HybridDrafter) else drafter
-    assert isinstance(model, ModelDrafter)
-    return model
+def _watch_windows(runner: DraftRunner) -> list[DraftWindow]:
+    """Wrap ``runner.propose`` (an engine's draft runner) to collect the window of every row it drafts."""
+    seen: list[DraftWindow] = []
+    propose = runner.propose
+
+    def recording(rows):
+        seen.extend(runner._windows[r.slot] for r in rows)
+        return propose(rows)
+
+    runner.propose = recording
+    return seen
+
+
+def _one_slot(engine) -> DraftRunner:
+    return DraftRunner(engine.draft, 1, 128, engine.target.args.vocab_size)
 
 
 @torch.inference_mode()
-def test_a_windowed_drafter_drafts_what_it_would_for_the_view(engine):
-    vocab = engine.target.args.vocab_size
-    windowed = ModelDrafter(engine.draft, 128, vocab, window=W)
-    whole = ModelDrafter(engine.draft, 128, vocab)
-    windowed.begin(LONG)
-    view = windowed.reads.view(LONG)
+def test_a_windowed_row_drafts_what_it_would_for_the_view(engine):
+    windowed, whole = _one_slot(engine), _one_slot(engine)
+    windowed.begin(0, LONG, window=W)
+    view = windowed._windows[0].view(LONG)
     assert len(view) == SINK_TOKENS + W
-    assert windowed.catch_up_tokens(LONG) == len(view) - 1  # what a k policy is charged, not len(LONG) - 1
-    whole.begin(view)
-    first = windowed.propose(LONG, 4, GREEDY, None).tokens
-    assert first == whole.propose(view, 4, GREEDY, None).tokens and len(first) == 4
+    assert windowed.catch_up_needed(0, LONG) == len(view) - 1  # what a k policy is charged, not len(LONG) - 1
+    whole.begin(0, view)
+    first = windowed.propose([DraftRow(0, LONG, 4, GREEDY, None)])[0].tokens
+    assert first == whole.propose([DraftRow(0, view, 4, GREEDY, None)])[0].tokens and len(first) == 4
+    assert windowed.catch_up_tokens == whole.catch_up_tokens == len(view) - 1
     # One draft accepted plus the target's token; then both roll back and draft again.
     seq = [*LONG, first[0], 17]
-    windowed.commit(len(LONG) + 1)
-    whole.commit(len(view) + 1)
+    windowed.commit(0, len(LONG) + 1)
+    whole.commit(0, len(view) + 1)
     assert windowed.cache.lengths[0] == whole.cache.lengths[0] == len(view) + 1
-    assert windowed.propose(seq, 3, GREEDY, None).tokens == whole.propose(windowed.reads.view(seq), 3, GREEDY,
-                                                                          None).tokens
-    windowed.begin(PROMPTS[0])  # the next request is short: it reads all of it
-    assert windowed.reads == DraftWindow()
+    assert windowed.propose([DraftRow(0, seq, 3, GREEDY, None)])[0].tokens == \
+        whole.propose([DraftRow(0, windowed._windows[0].view(seq), 3, GREEDY, None)])[0].tokens
+    windowed.release(0)
+    windowed.begin(0, PROMPTS[0], window=W)  # the next request is short: it reads all of it
+    assert windowed._windows[0] == DraftWindow()
 
 
 @pytest.mark.parametrize("method", ["draft", "hybrid"])
 def test_greedy_output_equals_plain(engine, plain, method):
     spec = SpecConfig(k_policy="fixed", method=method, k=4, draft_window=W)
-    model = _model_drafter(engine.drafter(spec))
-    results = engine.generate(WINDOW_PROMPTS, GREEDY, spec)
+    own = engine.with_config()  # a new engine over the same models: a draft runner of its own to watch
+    windows = _watch_windows(own.draft_runner)
+    results = own.generate(WINDOW_PROMPTS, GREEDY, spec)
     assert [r.token_ids for r in results] == plain
     assert sum(r.metrics.accepted for r in results) > 0
     # Alone, the long prompt's draft cache ends with the window and the answer, not the whole prompt.
-    assert engine.generate(LONG, GREEDY, spec)[0].token_ids == plain[0]
-    assert model.reads.skip == len(LONG) - W - SINK_TOKENS
-    assert model.cache.lengths[0] <= SINK_TOKENS + W + GREEDY.max_tokens + spec.k
+    windows.clear()
+    assert own.generate(LONG, GREEDY, spec)[0].token_ids == plain[0]
+    assert windows and all(w.skip == len(LONG) - W - SINK_TOKENS for w in windows)
+    assert own.draft_runner.cache.lengths[0] <= SINK_TOKENS + W + GREEDY.max_tokens + spec.k
 
 
 def test_the_cost_policy_keeps_greedy_output(engine, plain):
@@ -108,25 +118,26 @@ def test_batched_output_equals_plain(engine, plain, method):
 
 @torch.inference_mode()
 @pytest.mark.parametrize("windows", [[W, None, W], [None, None, None], [W, W, W]])
-def test_batch_draft_model_drafts_as_the_model_drafter(engine, windows):
-    """Each row drafts what ModelDrafter drafts for it alone, whatever the other rows' windows."""
+def test_each_row_drafts_what_it_drafts_alone(engine, windows):
+    """Each row of a draft runner drafts what a one-slot runner drafts for it alone, whatever the other rows'
+    windows."""
     prompts = [LONG, LONGER, PROMPTS[1]]
     vocab = engine.target.args.vocab_size
-    bd = BatchDraftModel(engine.draft, len(prompts), 128, vocab)
+    runner = DraftRunner(engine.draft, len(prompts), 128, vocab)
     for slot, (p, w) in enumerate(zip(prompts, windows, strict=True)):
-        bd.begin(slot, p, window=w)
+        runner.begin(slot, p, window=w)
         # A row lagging by its whole (windowed) prompt catches up alone: by the view's length.
-        assert bd.catch_up_needed(slot, p) == len(DraftWindow.for_prompt(len(p), w).view(p)) - 1
-    batched = [p.tokens for p in bd.propose([DraftRow(s, p, 4, GREEDY, None) for s, p in enumerate(prompts)])]
+        assert runner.catch_up_needed(slot, p) == len(DraftWindow.for_prompt(len(p), w).view(p)) - 1
+    batched = [p.tokens for p in runner.propose([DraftRow(s, p, 4, GREEDY, None) for s, p in enumerate(prompts)])]
     alone = []
     for p, w in zip(prompts, windows, strict=True):
-        d = ModelDrafter(engine.draft, 128, vocab, window=w)
-        d.begin(p)
-        alone.append(d.propose(p, 4, GREEDY, None).tokens)
+        one = _one_slot(engine)
+        one.begin(0, p, window=w)
+        alone.append(one.propose([DraftRow(0, p, 4, GREEDY, None)])[0].tokens)
     assert batched == alone
     for slot, (p, w) in enumerate(zip(prompts, windows, strict=True)):
-        bd.commit(slot, len(p) + 1)
-        assert bd.cache.lengths[slot] == DraftWindow.for_prompt(len(p), w).draft_len(len(p) + 1)
+        runner.commit(slot, len(p) + 1)
+        assert runner.cache.lengths[slot] == DraftWindow.for_prompt(len(p), w).draft_len(len(p) + 1)
 
 
 def test_sampling_matches_the_target(tmp_path):
@@ -135,10 +146,11 @@ def test_sampling_matches_the_target(tmp_path):
     engine = make_engine(target, target)  # it drafts for itself: q differs from p only by the context cut
     prompt, params = [3, 5, 7, 2, 9, 11, 4, 6, 8, 10], SamplingParams(temperature=1.0)
     spec = SpecConfig(k_policy="fixed", method="draft", k=2, draft_window=2)
+    windows = _watch_windows(engine.draft_runner)
     counts = sampled_first_two(engine, prompt, params, spec, 3000)
     p = chi_square_p(counts, exact_first_two(target, prompt, params))
     assert p > 1e-3, f"speculative samples deviate from the target distribution (p = {p:.2e})"
-    assert _model_drafter(engine.drafter(spec)).reads.skip == len(prompt) - 2 - SINK_TOKENS
+    assert windows and all(w.skip == len(prompt) - 2 - SINK_TOKENS for w in windows)
 
 
 @pytest.mark.parametrize("value", [-8, True, 2.5, "8"])
@@ -146,7 +158,9 @@ def test_bad_window_values(value):
     with pytest.raises(VerispecError, match="draft window"):
         SpecConfig(method="draft", draft_window=value)
     with pytest.raises(VerispecError, match="draft window"):
-        ModelDrafter(None, 8, window=value)  # refused before the model is touched
+        check_draft_window(value)  # what a draft runner's begin checks before it touches the model
+    with pytest.raises(VerispecError, match="draft window"):
+        DraftWindow.for_prompt(40, value)
 
 
 def test_method_option_parses_and_refuses_bad_values():
@@ -170,6 +184,6 @@ def test_cli_takes_a_draft_window_and_refuses_bad_ones(capsys):
     assert _spec_from(build_parser().parse_args([*base, "--draft-window", "0"])).draft_window is None
     assert SpecConfig(method="draft", draft_window=0).draft_window is None
     with pytest.raises(VerispecError, match="draft window"):
-        ModelDrafter(None, 8, window=0)  # below the config, None alone means off
+        DraftWindow.for_prompt(40, 0)  # below the config (a draft runner's begin), None alone means off
     assert main([*base, "--draft-window", "-1"]) == 2  # refused before any model is opened
     assert "draft window" in capsys.readouterr().err

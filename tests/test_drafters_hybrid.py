@@ -1,6 +1,10 @@
-"""The hybrid drafter: routing between lookup and model drafts, sub-drafter state, lossless output."""
+"""Hybrid drafting: routing between lookups and the engine's draft model, sub-drafter state, lossless output."""
 
 from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import replace
 
 import pytest
 import torch
@@ -17,13 +21,14 @@ from drafters_common import (
     sampled_first_two,
 )
 
-from verispec import Engine, SamplingParams, SpecConfig
+import verispec.engine.engine
+from verispec import Engine, SamplingParams, SpecConfig, VerispecError
 from verispec.drafters.base import Drafter, Proposal
 from verispec.drafters.hybrid import HybridDrafter
-from verispec.drafters.layerskip import LayerSkipDrafter
-from verispec.drafters.model import ModelDrafter
 from verispec.drafters.ngram import NgramDrafter
 from verispec.drafters.retrieval import RetrievalDrafter
+from verispec.engine.costs import CostCurve, CostModel
+from verispec.engine.draft_runner import MAX_LOCKSTEP_FEED, DraftRow, DraftRunner
 
 # -- routing, with stand-in drafters ----------------------------------------------------------
 
@@ -46,46 +51,47 @@ class Fake(Drafter):
         self.calls.append(("commit", n_valid))
 
 
-def route(ngram: Fake, model: Fake | None, retrieval: Fake | None = None, k: int = 4) -> list[int]:
-    return HybridDrafter(ngram, model, retrieval).propose([1, 2, 3], k, GREEDY, None).tokens
+def route(ngram: Fake, retrieval: Fake | None = None, k: int = 4) -> tuple[int, list[int]]:
+    """What the hybrid offers as free (a trusted lookup) and what it then proposes; (0, []) leaves the step
+    to the engine's draft model (or to plain decoding without one)."""
+    h = HybridDrafter(ngram, retrieval)
+    return h.free_tokens([1, 2, 3], k, GREEDY, None), h.propose([1, 2, 3], k, GREEDY, None).tokens
 
 
 def test_routing_rules():
-    model = Fake("draft", [9, 9, 9, 9])
-    assert route(Fake("ngram", [5, 6], match=3), model) == [5, 6]  # long enough match
-    assert route(Fake("ngram", [5, 6], match=2), model) == [9, 9, 9, 9]  # match too short
-    assert route(Fake("ngram", [5], match=4), model) == [9, 9, 9, 9]  # one token is not worth it
-    assert route(Fake("ngram", [5], match=4), model, k=1) == [5]  # ... unless one is all that is asked
-    assert route(Fake("ngram", [5, 6], match=2, max_n=2), model) == [5, 6]  # threshold capped at max_n
-    assert route(Fake("ngram", [5, 6], match=3), model, Fake("retrieval", [7, 8], match=5)) == [7, 8]  # longer
-    assert route(Fake("ngram", [5, 6], match=3), model, Fake("retrieval", [7, 8], match=3)) == [5, 6]  # tie
-    assert route(Fake("ngram", [], match=0), model, Fake("retrieval", [7, 8], match=4)) == [7, 8]
-    assert route(Fake("ngram", [], match=0), None) == []  # lookup only
+    assert route(Fake("ngram", [5, 6], match=3)) == (2, [5, 6])  # long enough match
+    assert route(Fake("ngram", [5, 6], match=2)) == (0, [])  # match too short: the draft model's step
+    assert route(Fake("ngram", [5], match=4)) == (0, [])  # one token is not worth it
+    assert route(Fake("ngram", [5], match=4), k=1) == (1, [5])  # ... unless one is all that is asked
+    assert route(Fake("ngram", [5, 6], match=2, max_n=2)) == (2, [5, 6])  # threshold capped at max_n
+    assert route(Fake("ngram", [5, 6], match=3), Fake("retrieval", [7, 8], match=5)) == (2, [7, 8])  # longer
+    assert route(Fake("ngram", [5, 6], match=3), Fake("retrieval", [7, 8], match=3)) == (2, [5, 6])  # tie
+    assert route(Fake("ngram", [], match=0), Fake("retrieval", [7, 8], match=4)) == (2, [7, 8])
+    h = HybridDrafter(Fake("ngram", [], match=0))
+    assert h.propose([1, 2, 3], 4, GREEDY, None).tokens == [] and h.counts == {"none": 1}
 
 
 def test_begin_and_commit_reach_every_sub_drafter():
-    ngram, model, retrieval = Fake("ngram", [5, 6], match=3), Fake("draft", [9]), Fake("retrieval", [])
-    h = HybridDrafter(ngram, model, retrieval)
+    ngram, retrieval = Fake("ngram", [5, 6], match=3), Fake("retrieval", [])
+    h = HybridDrafter(ngram, retrieval)
     h.begin([1, 2])
     h.propose([1, 2], 3, GREEDY, None)
     h.commit(4)
-    assert model.calls == [("begin", 2), ("commit", 4)]  # not asked to draft, yet told what is final
     assert ngram.calls == [("begin", 2), ("propose", 2), ("commit", 4)]
     assert retrieval.calls == [("begin", 2), ("propose", 2), ("commit", 4)]
     assert h.counts == {"ngram": 1}
 
 
 def test_a_trusted_lookup_is_offered_as_free_and_proposed_once():
-    ngram, model = Fake("ngram", [5, 6, 7], match=3), Fake("draft", [9, 9])
-    h = HybridDrafter(ngram, model)
+    ngram = Fake("ngram", [5, 6, 7], match=3)
+    h = HybridDrafter(ngram)
     h.begin([1, 2, 3])
     assert h.free_tokens([1, 2, 3], 4, GREEDY, None) == 3
     assert h.propose([1, 2, 3], 3, GREEDY, None).tokens == [5, 6, 7]  # the offered lookup, not a new one
     assert ngram.calls.count(("propose", 3)) == 1 and h.counts == {"ngram": 1}
-    assert not [c for c in model.calls if c[0] == "propose"]
-    short = HybridDrafter(Fake("ngram", [5, 6], match=2), model)
-    assert short.free_tokens([1, 2, 3], 4, GREEDY, None) == 0  # untrusted: left to the k policy
-    assert short.propose([1, 2, 3], 2, GREEDY, None).tokens == [9, 9]
+    short = HybridDrafter(Fake("ngram", [5, 6], match=2))
+    assert short.free_tokens([1, 2, 3], 4, GREEDY, None) == 0  # untrusted: left to the k policy and the draft model
+    assert short.propose([1, 2, 3], 2, GREEDY, None).tokens == []
 
 
 # -- with a draft model -----------------------------------------------------------------------
@@ -100,78 +106,136 @@ def plain(engine):
     return plain_outputs(engine, PROMPTS)
 
 
+def watch_counts(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> Callable[[], Counter]:
+    """Watch the per-row drafters ``engine`` hands out; returns what their ``counts`` gained since."""
+    seen: dict[int, tuple[Drafter, Counter]] = {}
+    acquire = engine._drafters.acquire
+
+    def watching(spec):
+        drafter = acquire(spec)
+        if drafter is not None and id(drafter) not in seen:
+            seen[id(drafter)] = (drafter, Counter(getattr(drafter, "counts", {})))
+        return drafter
+
+    monkeypatch.setattr(engine._drafters, "acquire", watching)
+
+    def gained() -> Counter:
+        total: Counter = Counter()
+        for drafter, before in seen.values():
+            total.update(drafter.counts)
+            total.subtract(before)
+        return +total
+
+    return gained
+
+
 @pytest.mark.parametrize("k", [2, 4, 7])
-def test_hybrid_with_a_draft_model_matches_plain(engine, plain, k):
+def test_hybrid_with_a_draft_model_matches_plain(engine, plain, k, monkeypatch):
     spec = SpecConfig(k_policy="fixed", method="hybrid", k=k)
-    drafter = engine.drafter(spec)
-    drafter.counts.clear()
+    assert isinstance(engine.drafter(spec), HybridDrafter) and not hasattr(engine.drafter(spec), "model")
+    counts = watch_counts(engine, monkeypatch)
+    forwards = engine.draft_runner.forwards
     results = engine.generate(PROMPTS, GREEDY, spec)
     assert [r.token_ids for r in results] == plain
-    assert isinstance(drafter.model, ModelDrafter)
-    assert drafter.counts["ngram"] > 0 and drafter.counts["draft"] > 0
+    c = counts()
+    # Steps without a trusted lookup draft with the engine's draft runner: none of them decodes plainly.
+    assert c["ngram"] > 0 and c["draft"] > 0 and c["none"] == 0
+    assert engine.draft_runner.forwards > forwards
 
 
-def test_the_model_catch_up_is_the_hybrids(engine):
-    hybrid = engine.drafter(SpecConfig(k_policy="fixed", method="hybrid", k=3))
+@torch.inference_mode()
+def test_lookup_steps_leave_the_draft_model_a_catch_up(engine):
+    """What lookup steps added, the draft model reads the next time it drafts: in its lockstep forward
+    for a few tokens, alone (charged to the k policy as a catch-up) beyond that; it drafts as if cold."""
+    vocab = engine.target.args.vocab_size
+    runner = DraftRunner(engine.draft, 1, 64, vocab)
     seq = PROMPTS[0] + [7, 8, 9]
-    hybrid.begin(seq)
-    assert hybrid.catch_up_tokens(seq) == hybrid.model.catch_up_tokens(seq) == len(seq) - 1
-    hybrid.model.propose(seq, 2, GREEDY, None)
-    hybrid.commit(len(seq))
-    # A lookup step then added three tokens: the model reads two of them (the last is any step's own).
-    assert hybrid.catch_up_tokens(seq + [1, 2, 3]) == 2
+    runner.begin(0, seq)
+    assert runner.catch_up_needed(0, seq) == len(seq) - 1
+    runner.propose([DraftRow(0, seq, 2, GREEDY, None)])
+    runner.commit(0, len(seq))  # no draft accepted: the target's token follows seq
+    assert runner.cache.lengths[0] == len(seq)
+    # A lookup step then added MAX_LOCKSTEP_FEED tokens: the lockstep forward reads them, no catch-up.
+    assert runner.catch_up_needed(0, seq + [1] * MAX_LOCKSTEP_FEED) == 0
+    # One more: all but the last (any step's own input) are read alone first.
+    longer = seq + list(range(1, MAX_LOCKSTEP_FEED + 2))
+    assert runner.catch_up_needed(0, longer) == MAX_LOCKSTEP_FEED
+    before = runner.catch_up_tokens
+    got = runner.propose([DraftRow(0, longer, 3, GREEDY, None)])[0].tokens
+    assert runner.catch_up_tokens - before == MAX_LOCKSTEP_FEED
+    cold = DraftRunner(engine.draft, 1, 64, vocab)
+    cold.begin(0, longer)
+    assert got == cold.propose([DraftRow(0, longer, 3, GREEDY, None)])[0].tokens
 
 
-def test_lookups_run_where_the_cost_policy_keeps_the_model_plain(engine, plain):
+def test_lookups_run_where_the_cost_policy_keeps_the_model_plain(engine, plain, monkeypatch):
     """A draft priced far above a target step never runs, yet free lookups still speculate (losslessly)."""
     spec = SpecConfig(k_policy="cost", method="hybrid", k=4)
-    drafter = engine.drafter(spec)
-    costs = engine.cost_model(spec, drafter)
-    costs.draft_s = 100 * costs.verify_s[-1]
-    drafter.counts.clear()
-    results = engine.generate(PROMPTS, GREEDY, spec)
+    # A flat target curve (a cheap draft would pay) and a draft forward a hundred target steps long.
+    costs = CostModel(CostCurve({1: 0.1, 1024: 0.1}, smoothing=0), CostCurve({1: 10.0, 64: 10.0}, smoothing=0))
+    priced = engine.with_config(costs=costs)
+    counts = watch_counts(priced, monkeypatch)
+    results = priced.generate(PROMPTS, GREEDY, spec)
     assert [r.token_ids for r in results] == plain
-    assert drafter.counts["ngram"] > 0 and drafter.counts["draft"] == 0
+    c = counts()
+    assert c["ngram"] > 0 and c["draft"] == 0
+    assert priced.draft_runner.forwards == 0
     assert sum(r.metrics.drafted for r in results) > 0
 
 
-class CheckedModelDrafter(ModelDrafter):
-    """A model drafter whose every proposal is checked against a fresh drafter that sees ``seq`` cold."""
+def test_the_draft_model_stays_consistent_across_lookup_steps(engine, plain, monkeypatch):
+    """Every proposal of the engine's draft runner for a hybrid row equals a fresh runner's that sees the
+    sequence cold, also after lookup steps the draft model sat out and caught up on."""
+    runner = engine.draft_runner
+    vocab = engine.target.args.vocab_size
+    begin, propose = runner.begin, runner.propose
+    begun: set[int] = set()
+    checked = catch_ups = 0
 
-    def __init__(self, model, max_len: int) -> None:
-        super().__init__(model, max_len)
-        self.checked = 0
-        self.catch_ups = 0  # proposals that had to feed more than the last token first
+    def checking_begin(slot, *args, **kwargs):
+        begun.add(slot)
+        return begin(slot, *args, **kwargs)
 
-    def propose(self, seq, k, params, generator):
-        self.catch_ups += len(seq) - self.cache.lengths[0] > 1
-        got = super().propose(seq, k, params, generator)
-        fresh = ModelDrafter(self.model, self.cache.max_len)
-        assert got.tokens == fresh.propose(seq, k, params, generator).tokens
-        self.checked += 1
+    def checking_propose(rows):
+        nonlocal checked, catch_ups
+        for r in rows:
+            # A model step leaves its row at most 2 tokens behind (all k accepted: the last draft and the
+            # target's token); more means lookup steps added tokens. The first draft reads the prompt.
+            if r.slot not in begun:
+                catch_ups += len(r.seq) - runner.cache.lengths[r.slot] > 2
+            begun.discard(r.slot)
+        got = propose(rows)
+        for r, p in zip(rows, got, strict=True):
+            cold = DraftRunner(runner.model, 1, runner.cache.max_len, vocab)
+            cold.begin(0, r.seq)
+            assert p.tokens == cold.propose([DraftRow(0, r.seq, r.k, r.params, None)])[0].tokens
+            checked += 1
         return got
 
-
-def test_model_drafter_cache_stays_consistent_across_lookup_steps(engine, plain, qwen2_noisy_draft_tiny):
-    checked = CheckedModelDrafter(qwen2_noisy_draft_tiny.model, engine.config.max_len)
-    hybrid = HybridDrafter(NgramDrafter(), checked)
-    results = engine.generate(PROMPTS, GREEDY, SpecConfig(k_policy="fixed", method="hybrid", k=4), drafter=hybrid)
+    monkeypatch.setattr(runner, "begin", checking_begin)
+    monkeypatch.setattr(runner, "propose", checking_propose)
+    counts = watch_counts(engine, monkeypatch)
+    results = engine.generate(PROMPTS, GREEDY, SpecConfig(k_policy="fixed", method="hybrid", k=4))
     assert [r.token_ids for r in results] == plain
-    assert checked.checked > 0 and hybrid.counts["ngram"] > 0
-    assert checked.catch_ups > 0  # the model sat out lookup steps and caught up afterwards
+    assert checked > 0 and counts()["ngram"] > 0
+    assert catch_ups > 0  # the model sat out lookup steps and caught up afterwards
 
 
-def test_without_draft_or_layers_is_lookup_only(qwen2_tiny, plain):
+def test_without_a_draft_model_is_lookup_only(qwen2_tiny, plain, monkeypatch):
     engine = make_engine(qwen2_tiny.model)
     spec = SpecConfig(k_policy="fixed", method="hybrid", k=3)
-    drafter = engine.drafter(spec)
-    assert drafter.model is None
+    assert isinstance(engine.drafter(spec), HybridDrafter) and engine.draft_runner is None
+    counts = watch_counts(engine, monkeypatch)
     results = engine.generate(PROMPTS, GREEDY, spec)
     assert [r.token_ids for r in results] == plain
-    assert drafter.counts["ngram"] > 0 and drafter.counts["none"] > 0
+    c = counts()
+    assert c["ngram"] > 0 and c["draft"] == 0
+    # Steps without a trusted lookup decode plainly: one scored position, nothing drafted.
+    assert engine.stats.width_steps.get(1, 0) > 0
+    assert sum(r.metrics.drafted for r in results) > 0
 
 
-# -- with a datastore and the layer-skip fallback ---------------------------------------------
+# -- with a datastore ---------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
 def tok_engine(tmp_path_factory) -> Engine:
@@ -180,21 +244,34 @@ def tok_engine(tmp_path_factory) -> Engine:
 
 
 @pytest.mark.parametrize("k", [3, 5])
-def test_hybrid_with_datastore_and_layerskip_matches_plain(tok_engine, tmp_path_factory, k):
+def test_hybrid_with_datastore_matches_plain(tok_engine, tmp_path_factory, k, monkeypatch):
     plain_tok = plain_outputs(tok_engine, PROMPTS)
     store = build_echo_store(tmp_path_factory.mktemp("echo"), tok_engine.tokenizer, PROMPTS, plain_tok)
-    spec = SpecConfig(k_policy="fixed", method="hybrid", k=k, datastore=str(store), layers=1)
+    spec = SpecConfig(k_policy="fixed", method="hybrid", k=k, datastore=str(store))
     drafter = tok_engine.drafter(spec)
-    assert isinstance(drafter.retrieval, RetrievalDrafter) and isinstance(drafter.model, LayerSkipDrafter)
+    assert isinstance(drafter, HybridDrafter) and isinstance(drafter.retrieval, RetrievalDrafter)
+    counts = watch_counts(tok_engine, monkeypatch)
     results = tok_engine.generate(PROMPTS, GREEDY, spec)
     assert [r.token_ids for r in results] == plain_tok
-    assert drafter.counts["retrieval"] > 0 and drafter.counts["layerskip"] > 0
+    assert counts()["retrieval"] > 0
     assert sum(r.metrics.accepted for r in results) > 0
+
+
+def test_hybrid_does_not_fall_back_to_layer_skip(tok_engine):
+    """Layer-skip is a method of its own: hybrid with ``layers`` and no draft model is refused."""
+    spec = SpecConfig(k_policy="fixed", method="hybrid", k=3, layers=1)
+    with pytest.raises(VerispecError, match="layerskip"):
+        tok_engine.drafter(spec)
+    with pytest.raises(VerispecError, match="layerskip"):
+        tok_engine.check_spec(spec)
+    with pytest.raises(VerispecError, match="layerskip"):
+        tok_engine.generate(PROMPTS[0], GREEDY, spec)
+    assert tok_engine.drafter(replace(spec, method="layerskip")) is not None
 
 
 # -- exact sampling ---------------------------------------------------------------------------
 
-def test_hybrid_sampling_is_exact(small_vocab_target, small_vocab_close_draft):
+def test_hybrid_sampling_is_exact(small_vocab_target, small_vocab_close_draft, monkeypatch):
     """Steps alternate between deterministic lookups (q one-hot) and sampled model drafts (q given)."""
     target = small_vocab_target.model
     engine = make_engine(target, small_vocab_close_draft.model)
@@ -202,10 +279,15 @@ def test_hybrid_sampling_is_exact(small_vocab_target, small_vocab_close_draft):
     prompt = [3, 4, 5, 6, 3, 4, 5]  # "3 4 5" recurs: the first step is a lookup
     gen = torch.Generator().manual_seed(0)
     docs = [[int(t) for t in torch.randint(0, 12, (40,), generator=gen)]]
-    hybrid = HybridDrafter(NgramDrafter(), ModelDrafter(small_vocab_close_draft.model, engine.config.max_len),
-                           RetrievalDrafter(memory_store(docs)))
-    counts = sampled_first_two(engine, prompt, params, SpecConfig(k_policy="fixed", method="hybrid", k=3), 1200,
-                               drafter=hybrid)
-    assert hybrid.counts["ngram"] > 0 and hybrid.counts["draft"] > 0
-    assert chi_square_p(counts, exact_first_two(target, prompt, params)) > 1e-3
+    built: list[HybridDrafter] = []
 
+    def with_memory_store(spec, ctx):  # the engine's hybrid drafters, with a datastore held in memory
+        hybrid = HybridDrafter(NgramDrafter(spec.ngram_max, spec.ngram_min), RetrievalDrafter(memory_store(docs)))
+        built.append(hybrid)
+        return hybrid
+
+    monkeypatch.setattr(verispec.engine.engine, "make_drafter", with_memory_store)
+    counts = sampled_first_two(engine, prompt, params, SpecConfig(k_policy="fixed", method="hybrid", k=3), 1200)
+    tally = sum((h.counts for h in built), Counter())
+    assert tally["ngram"] > 0 and tally["draft"] > 0
+    assert chi_square_p(counts, exact_first_two(target, prompt, params)) > 1e-3

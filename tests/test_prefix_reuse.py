@@ -18,7 +18,6 @@ import torch
 from tiny_server import make_tiny_pair, metric_value, running_server
 
 from verispec import Engine, EngineConfig, SamplingParams, SpecConfig
-from verispec.engine.batch import BatchEngine
 from verispec.engine.prefix import MIN_MATCH, SlotPrefixes, common_prefix, held_tokens, reusable
 from verispec.engine.scheduler import Scheduler
 from verispec.server import ServerConfig, create_app
@@ -56,12 +55,8 @@ def engine(qwen2_tiny, qwen2_noisy_draft_tiny) -> Engine:
 
 
 def alone(engine: Engine, ids: list[int], params: SamplingParams = GREEDY, spec: SpecConfig = PLAIN) -> list[int]:
-    """What the single-request engine generates from an empty cache."""
-    engine.prefix_reuse = False
-    try:
-        return engine.generate(ids, params, spec)[0].token_ids
-    finally:
-        engine.prefix_reuse = True
+    """What a one-slot engine over the same models generates from an empty cache."""
+    return engine.with_config(max_batch=1, prefix_reuse=False).generate(ids, params, spec)[0].token_ids
 
 
 def follow_up(first: list[int], answer: list[int], finish: str) -> tuple[list[int], int]:
@@ -70,7 +65,7 @@ def follow_up(first: list[int], answer: list[int], finish: str) -> tuple[list[in
     return first + answer + TURN, len(first) + len(answer) - (finish == "length")
 
 
-def assert_row_is_fresh(be: BatchEngine, slot: int, ids: list[int], engine: Engine, draft: bool = False) -> None:
+def assert_row_is_fresh(be: Engine, slot: int, ids: list[int], engine: Engine, draft: bool = False) -> None:
     """The target row (and draft row) of ``slot`` hold, for ``ids[:-1]``, the K/V of a fresh prefill."""
     fresh = engine.with_config(max_batch=1, prefix_reuse=False)
     fresh.submit(ids, SamplingParams(max_tokens=8), DRAFT if draft else PLAIN)
@@ -78,7 +73,7 @@ def assert_row_is_fresh(be: BatchEngine, slot: int, ids: list[int], engine: Engi
     n = len(ids) - 1
     pairs = [(be.cache, fresh.cache)]
     if draft:
-        pairs.append((be.draft_model.cache, fresh.draft_model.cache))
+        pairs.append((be.draft_runner.cache, fresh.draft_runner.cache))
     for mine, ref in pairs:
         for a, b in zip(mine.k + mine.v, ref.k + ref.v, strict=True):
             torch.testing.assert_close(a[slot, :, :n], b[0, :, :n], atol=1e-5, rtol=1e-5)
@@ -174,7 +169,7 @@ def test_a_follow_up_turn_reuses_the_conversation_so_far(engine, spec):
     assert third.metrics.prefix_reused_tokens == kept and third.token_ids == alone(engine, c, GREEDY, SPECS[spec])
 
 
-def conversation(be: BatchEngine, spec: SpecConfig, params: SamplingParams) -> list[list[int]]:
+def conversation(be: Engine, spec: SpecConfig, params: SamplingParams) -> list[list[int]]:
     """A mix of repeats, follow-ups, shorter and diverging prompts, one at a time and several at once."""
     a, x = prompt(40, seed=3), prompt(25, seed=4)
     out = [r.token_ids for r in be.generate([a, x], params, spec)]
@@ -245,23 +240,22 @@ def test_a_request_goes_to_the_slot_holding_its_prefix(engine):
 
 def test_the_single_request_engine_reuses_its_row(engine):
     a = prompt(30, seed=10)
-    engine.prefix_reuse = True
+    assert engine.slots == 1 and engine.prefix_reuse
     first = engine.generate(a, GREEDY, DRAFT)[0]
     again = engine.generate(a, GREEDY, DRAFT)[0]
     assert again.metrics.prefix_reused_tokens == len(a) - 1 and again.token_ids == first.token_ids
     b, kept = follow_up(a, first.token_ids, first.finish_reason)
-    expected = alone(engine, b, GREEDY, SPECS["hybrid"])  # (leaves nothing for the next request)
-    assert engine.generate(a, GREEDY, DRAFT)[0].metrics.prefix_reused_tokens == 0
+    # An engine over the same models has caches of its own: this engine's row is left as it was.
+    expected = alone(engine, b, GREEDY, SPECS["hybrid"])
+    assert engine.generate(a, GREEDY, DRAFT)[0].metrics.prefix_reused_tokens == len(a) - 1
     second = engine.generate(b, GREEDY, SPECS["hybrid"])[0]
     assert second.metrics.prefix_reused_tokens == kept and second.token_ids == expected
     assert engine.generate(b, GREEDY)[0].metrics.prefix_reused_tokens == len(b) - 1
-    # Profiling the cost policy overwrites the row: nothing of it is reused after that.
-    assert engine.generate(b, GREEDY, SPECS["draft-cost"])[0].metrics.prefix_reused_tokens in (0, len(b) - 1)
-    engine.profile(engine.drafter(DRAFT), 4)
-    assert engine.generate(b, GREEDY)[0].metrics.prefix_reused_tokens == 0
-    engine.prefix_reuse = False
-    assert engine.generate(b, GREEDY)[0].metrics.prefix_reused_tokens == 0
-    engine.prefix_reuse = True
+    # Profiling the cost policy times forwards on caches of its own: the row is kept through it.
+    assert engine.generate(b, GREEDY, SPECS["draft-cost"])[0].metrics.prefix_reused_tokens == len(b) - 1
+    engine.profile(4)
+    assert engine.generate(b, GREEDY)[0].metrics.prefix_reused_tokens == len(b) - 1
+    assert engine.with_config(prefix_reuse=False).generate(b, GREEDY)[0].metrics.prefix_reused_tokens == 0
 
 
 def test_the_single_request_engine_with_layer_skip(engine):
@@ -299,11 +293,10 @@ def test_the_server_counts_reused_prompt_tokens(text_engine: Engine, max_batch: 
     prompt_len = len(text_engine.encode(body["prompt"]))
     assert reused == (prompt_len - 1 if reuse else 0)
     assert stats["paths"]["speculative"]["total"]["prefix_reused_tokens"] == reused
-    if max_batch > 1:
-        batch = stats["batch"]
-        assert batch["prefix_reuse"] is reuse and batch["prefix_reused_tokens"] == reused
-        assert batch["prefix_hits"] == int(reuse) and batch["prefill_tokens"] == 2 * (prompt_len - 1) - reused
-    text_engine.prefix_reuse = True
+    batch = stats["batch"]  # one engine worker for every max_batch
+    assert batch["max_batch"] == max_batch
+    assert batch["prefix_reuse"] is reuse and batch["prefix_reused_tokens"] == reused
+    assert batch["prefix_hits"] == int(reuse) and batch["prefill_tokens"] == 2 * (prompt_len - 1) - reused
 
 
 def test_serve_has_a_switch_to_turn_reuse_off(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -13,8 +13,7 @@ from verispec import Engine, SamplingParams, SpecConfig, VerispecError, hub
 from verispec.bench import datasets
 from verispec.cli import main
 from verispec.config import DEFAULT_SPEC, PLAIN
-from verispec.engine.batch import BatchEngine
-from verispec.engine.batch_policy import CostModel, CostCurve
+from verispec.engine.costs import CostCurve, CostModel
 
 TARGET, DRAFT, SMOL = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct", "smollm2-135m-instruct"
 

@@ -413,29 +413,16 @@ def test_canary_routing_and_admin(http: httpx.Client, oai: OpenAI) -> None:
 
 
 def _slow_generate(monkeypatch: pytest.MonkeyPatch, engine: Engine, delay_s: float) -> None:
-    """Make every engine step take at least ``delay_s`` (so a test can act mid-generation).
+    """Make every engine step take at least ``delay_s`` (so a test can act mid-generation)."""
+    import verispec.engine.engine as engine_module
 
-    Both workers: the one-request engine's steps and the batch engine's batched steps.
-    """
-    import verispec.engine.batch as batch_module
-
-    original = engine.generate
-    original_step = batch_module.batched_step
+    original_step = engine_module.speculative_step
 
     def slow_step(*args: Any, **kwargs: Any) -> Any:
         time.sleep(delay_s)
         return original_step(*args, **kwargs)
 
-    monkeypatch.setattr(batch_module, "batched_step", slow_step)
-
-    def slow(*args: Any, on_tokens: Any = None, **kwargs: Any) -> Any:
-        def wrapped(i: int, tokens: list[int]) -> Any:
-            time.sleep(delay_s)
-            return on_tokens(i, tokens)
-
-        return original(*args, on_tokens=wrapped if on_tokens else None, **kwargs)
-
-    monkeypatch.setattr(engine, "generate", slow)
+    monkeypatch.setattr(engine_module, "speculative_step", slow_step)
 
 
 def test_client_disconnect_cancels_the_request(http: httpx.Client, engine: Engine,
@@ -616,22 +603,23 @@ def test_overload_then_graceful_shutdown(pair: tuple[str, str], monkeypatch: pyt
         assert wait_until(lambda: app.state.verispec.worker.join(0), timeout=5)
 
 
-def test_batching_unavailable_method_is_a_clean_400(pair: tuple[str, str]) -> None:
-    # Layer-skip drafts on the target's one-row cache: the batch worker refuses it up front.
+def test_an_unavailable_method_is_a_clean_400_and_layerskip_batches(pair: tuple[str, str]) -> None:
+    # No draft model: the server cannot default to "draft", and a request asking for it gets a 400.
     engine = Engine.from_pretrained(pair[0], dtype="float32", max_len=MAX_LEN, progress=False)
-    with pytest.raises(VerispecError, match="max-batch 1"):
-        create_app(engine, ServerConfig(model_name=MODEL, spec=SpecConfig(k_policy="fixed", method="layerskip", k=3)))
-    app = create_app(engine, ServerConfig(model_name=MODEL, spec=SpecConfig(k_policy="fixed", method="ngram",
-                                                                            k=3), max_batch=1))
-    assert "layerskip" in app.state.verispec.worker.available_methods  # the one-request worker serves it
+    with pytest.raises(VerispecError, match="draft model"):
+        create_app(engine, ServerConfig(model_name=MODEL, spec=SpecConfig(k_policy="fixed", method="draft", k=3)))
     config = ServerConfig(model_name=MODEL, spec=SpecConfig(k_policy="fixed", method="ngram", k=3), max_batch=3)
     app = create_app(engine, config)
-    assert "layerskip" not in app.state.verispec.worker.available_methods
+    assert "draft" not in app.state.verispec.worker.available_methods
+    assert "layerskip" in app.state.verispec.worker.available_methods  # each row drafts on its own cache row
     with running_server(app, config) as srv, httpx.Client(base_url=srv.base_url, timeout=30) as client:
-        body = {"model": MODEL, "prompt": "a", "max_tokens": 4, "speculative": {"enabled": True, "method": "layerskip"}}
+        body = {"model": MODEL, "prompt": "a", "max_tokens": 6, "temperature": 0,
+                "speculative": {"enabled": True, "method": "draft"}}
         err = _assert_error(client.post("/v1/completions", json=body), 400, "speculative.method")
-        assert "layerskip" in err["message"]
-        assert client.post("/v1/completions", json={**body, "speculative": {"method": "ngram"}}).status_code == 200
+        assert "draft" in err["message"]
+        plain = client.post("/v1/completions", json={**body, "speculative": {"enabled": False}}).json()
+        skip = client.post("/v1/completions", json={**body, "speculative": {"method": "layerskip", "k": 2}})
+        assert skip.status_code == 200 and skip.json()["choices"][0]["text"] == plain["choices"][0]["text"]
         assert client.get("/stats").json()["batch"]["max_batch"] == 3
 
 

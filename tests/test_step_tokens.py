@@ -9,7 +9,7 @@ from drafters_common import build_tok_model
 
 from verispec import Engine, SamplingParams, SpecConfig
 from verispec.drafters.base import Drafter, Proposal
-from verispec.engine.batch import BatchEngine
+from verispec.engine.draft_runner import DraftRow, DraftRunner
 from verispec.engine.stopping import StepTokens
 
 # The draft model is the target itself: every draft is accepted, so each step is k drafts and one bonus token.
@@ -55,28 +55,31 @@ def test_a_self_drafting_step_marks_all_but_its_last_token_accepted(engine):
 
 
 class WrongSecond(Drafter):
-    """The target's own greedy draft with its second token changed: each step accepts one draft exactly."""
+    """The target's own greedy draft (a one-slot draft runner over the engine's draft model, the target
+    itself) with its second token changed: each step accepts one draft exactly."""
 
-    def __init__(self, inner: Drafter, vocab: int) -> None:
-        self.inner, self.vocab = inner, vocab
+    def __init__(self, engine: Engine) -> None:
+        self.vocab = engine.target.args.vocab_size
+        self.inner = DraftRunner(engine.draft, 1, engine.max_len + 128, self.vocab)
 
     def begin(self, prompt: list[int]) -> None:
-        self.inner.begin(prompt)
+        self.inner.release(0)
+        self.inner.begin(0, prompt)
 
     def propose(self, seq, k, params, generator) -> Proposal:
-        tokens = list(self.inner.propose(seq, k, params, generator).tokens)
+        tokens = list(self.inner.propose([DraftRow(0, seq, k, params, generator)])[0].tokens)
         if len(tokens) > 1:
             tokens[1] = (tokens[1] + 1) % self.vocab
         return Proposal(tokens)
 
     def commit(self, n_valid: int) -> None:
-        self.inner.commit(n_valid)
+        self.inner.commit(0, n_valid)
 
 
 def test_callbacks_count_exactly_the_accepted_drafts(engine):
     """With a drafter that is partly wrong, each chunk marks its accepted drafts, and they add up to the metrics'."""
     params = SamplingParams(max_tokens=12, ignore_eos=True)
-    drafter = WrongSecond(engine.drafter(SELF_DRAFT), engine.target.args.vocab_size)
+    drafter = WrongSecond(engine)
     chunks: list[StepTokens] = []
     m = engine.generate("hello world", params, SELF_DRAFT, chat=True, drafter=drafter,
                         on_tokens=lambda _, t: chunks.append(t))[0].metrics

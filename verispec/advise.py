@@ -15,9 +15,10 @@ from pathlib import Path
 
 from verispec.bench.hardware import read_bandwidth, weight_bytes_per_token
 from verispec.config import PLAIN, SpecConfig
+from verispec.engine.costs import CostModel
 from verispec.engine.engine import Engine
 from verispec.engine.metrics import Metrics
-from verispec.engine.policy import CostModel
+from verispec.engine.policy import expected_tokens
 from verispec.sampling import SamplingParams
 
 DEFAULT_PROMPTS = [
@@ -44,6 +45,16 @@ def _calibrate(engine: Engine, prompts: list[str], spec: SpecConfig, tokens: int
     return m
 
 
+def _speedup(costs: CostModel, a: float, k: int, hit: float, draft_s: float) -> float:
+    """Predicted speedup of one request over plain decoding: k drafts per step at acceptance ``a``,
+    the drafter proposing on a share ``hit`` of steps (the others are plain steps)."""
+    plain = costs.target_s(1)
+    if k == 0:
+        return 1.0
+    tokens = hit * expected_tokens(a, k) + (1.0 - hit)
+    return tokens * plain / (k * draft_s + hit * costs.target_s(k + 1) + (1.0 - hit) * plain)
+
+
 def _measure(engine: Engine, prompts: list[str], spec: SpecConfig, tokens: int, chat: bool) -> float:
     return _calibrate(engine, prompts, spec, tokens, chat).tokens_per_s
 
@@ -55,21 +66,19 @@ def advise(engine: Engine, prompts: list[str] | None = None, k_max: int = 16, to
     bw = read_bandwidth()
     target_bytes = weight_bytes_per_token(engine.target)
     methods = (["draft"] if engine.draft is not None else []) + ["ngram"]
-    base_costs: CostModel | None = None
+    costs = engine.profile(k_max)
+    verify_s = [costs.target_s(m) for m in range(1, k_max + 2)]
     advice: list[MethodAdvice] = []
     for method in methods:
-        drafter = engine.drafter(SpecConfig(method=method, k=k_max, k_policy="fixed"))
-        costs = engine.profile(drafter, k_max)
-        base_costs = base_costs or costs
+        draft_s = costs.draft_s(1) if method == "draft" else 0.0  # a lookup costs next to nothing
         cal = _calibrate(engine, prompts, SpecConfig(method=method, k=4, k_policy="fixed"), tokens, chat)
         a = cal.acceptance_rate
         proposing = cal.drafted_by_position[0] if cal.drafted_by_position else 0
         hit = proposing / cal.steps if cal.steps else 0.0
-        predicted = {k: costs.speedup(a, k, hit) for k in range(0, k_max + 1)}
+        predicted = {k: _speedup(costs, a, k, hit, draft_s) for k in range(0, k_max + 1)}
         best = max(predicted, key=lambda k: (predicted[k], -k))
-        advice.append(MethodAdvice(method, a, hit, costs.draft_s * 1e3, predicted, best))
-    assert base_costs is not None
-    curve = [t / base_costs.verify_s[0] for t in base_costs.verify_s]
+        advice.append(MethodAdvice(method, a, hit, draft_s * 1e3, predicted, best))
+    curve = [t / verify_s[0] for t in verify_s]
     top = max(advice, key=lambda ad: ad.predicted[ad.best_k])
     plain_tps = _measure(engine, prompts, PLAIN, tokens, chat)
     measured: dict[int, float] = {}
@@ -84,7 +93,7 @@ def advise(engine: Engine, prompts: list[str] | None = None, k_max: int = 16, to
                "speculation does not pay here: no setting beat plain decoding by more than 5% "
                f"(best predicted {rec_pred:.2f}x, measured {rec_meas:.2f}x); run plain decoding")
     why = (f"a target forward of 2 tokens costs {curve[1]:.2f}x one token and of {k_max + 1} tokens "
-           f"{curve[-1]:.2f}x; a draft token costs {top.draft_ms:.1f} ms against {base_costs.verify_s[0] * 1e3:.1f} ms "
+           f"{curve[-1]:.2f}x; a draft token costs {top.draft_ms:.1f} ms against {verify_s[0] * 1e3:.1f} ms "
            f"for a target token; acceptance {top.acceptance:.0%}")
     result = {
         "read_bandwidth_GBps": bw / 1e9, "target_weight_GB_per_token": target_bytes / 1e9,

@@ -63,9 +63,9 @@ class Chat:
         if tok is None or not tok.chat_template:
             raise VerispecError(f"{engine.config.model} has no chat template; `verispec chat` needs a chat model "
                                 "(use `verispec generate --raw` for plain completion)")
-        if params.max_tokens >= engine.config.max_len:
+        if params.max_tokens >= engine.max_len:
             raise VerispecError(f"--max-tokens {params.max_tokens} leaves no room for a question in a context of "
-                                f"{engine.config.max_len} tokens (--max-len)")
+                                f"{engine.max_len} tokens (--max-len)")
         self.engine, self.params, self.spec = engine, params, spec
         self.out = out or sys.stdout
         self.err = err or sys.stderr
@@ -121,7 +121,7 @@ class Chat:
 
     def _prompt_ids(self) -> list[int]:
         """The conversation's token ids; the oldest exchanges are dropped while it leaves no room for an answer."""
-        max_len, dropped = self.engine.config.max_len, 0
+        max_len, dropped = self.engine.max_len, 0
         while True:
             try:
                 ids = self.engine.encode(self.messages)

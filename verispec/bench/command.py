@@ -129,7 +129,9 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
                                     compile=opts.compile, kernels=opts.kernels)
     rss_after_load = rss_bytes()
     for m in methods:  # build every drafter now: an unavailable method fails before hours of running
-        engine.drafter(m.spec)
+        engine.check_spec(m.spec)
+    if any(m.spec.enabled and m.spec.k_policy == "cost" for m in methods):
+        engine.profile()  # before any timed request, as a server profiles before it serves
     memory = MemoryTracker()
     runner = BenchRunner(params, opts.repeats, opts.seed, opts.progress, memory)
     gens = {m.label: engine_generate(engine, m.spec) for m in methods}
@@ -149,7 +151,8 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
         peers_info.update(_peer_ratios(rows))
     stability = _stability(engine, [m for m in methods if not m.from_sweep], opts) if opts.stability else None
 
-    footprints = {m.label: drafter_footprint(engine, engine.drafter(m.spec)) for m in methods}
+    footprints = {m.label: drafter_footprint(engine, engine.drafter(m.spec), m.spec.method in ("draft", "hybrid"))
+                  for m in methods}
     mem = {"rss_after_load_bytes": rss_after_load, "peak_rss_before_peers_bytes": peak_before_peers,
            "peak_rss_bytes": peak_rss_bytes(),
            "methods": [{"method": label, "max_rss_bytes": memory.max_rss.get(label),
@@ -343,7 +346,7 @@ def _run_llamacpp_peer(opts: BenchOptions, engine: Any, runner: Any, items: list
     from verispec.bench.peers import LLAMACPP_BATCH, LLAMACPP_MAX_NGRAM, LlamaCppPeers, llamacpp_context
 
     prompts = [engine.encode(i.payload, i.chat) for i in items]
-    n_ctx = llamacpp_context([len(p) for p in prompts], opts.max_tokens, engine.config.max_len, opts.lookup_tokens)
+    n_ctx = llamacpp_context([len(p) for p in prompts], opts.max_tokens, engine.max_len, opts.lookup_tokens)
     peers = LlamaCppPeers.load(engine, opts.model, opts.lookup_tokens, n_ctx)
     info: dict[str, Any] = {"library": "llama-cpp-python", "version": _version("llama-cpp-python"),
                             "gguf": str(peers.path), "n_threads": peers.threads, "n_ctx": n_ctx,

@@ -35,8 +35,11 @@ class DraftFootprint:
         return self.model_bytes + self.cache_bytes
 
 
-def drafter_footprint(engine: Any, drafter: Any | None) -> DraftFootprint:
+def drafter_footprint(engine: Any, drafter: Any | None, draft_model: bool = False) -> DraftFootprint:
     """Bytes of the weights and KV caches a drafter holds beyond ``engine``'s target and cache.
+
+    ``draft_model``: the method drafts with the engine's draft model (``draft``, ``hybrid``), whose
+    weights and cache (the engine's draft runner) count as the drafter's.
 
     Looks at the drafter's attributes and those of drafters it wraps (a hybrid's parts): tensors
     of any ``nn.Module`` count as weights unless the target owns them (a layer-skip drafter reuses
@@ -60,10 +63,12 @@ def drafter_footprint(engine: Any, drafter: Any | None) -> DraftFootprint:
                             tensors[t.data_ptr()] = t
                 elif callable(getattr(v, "nbytes", None)) and v is not getattr(engine, "cache", None):
                     caches[id(v)] = v
-                elif type(v).__module__.startswith("verispec.drafters"):
+                elif type(v).__module__.startswith(("verispec.drafters", "verispec.engine.draft_runner")):
                     visit(v, depth + 1)
 
     visit(drafter, 0)
+    if draft_model:
+        visit(getattr(engine, "draft_runner", None), 0)
     return DraftFootprint(sum(t.numel() * t.element_size() for t in tensors.values()),
                           sum(int(c.nbytes()) for c in caches.values()))
 

@@ -265,7 +265,7 @@ class LlamaCppPeers:
     def generate(self, llm: Any, item: Item, params: SamplingParams) -> GenerationResult:
         """One timed ``Llama.generate`` on the engine's prompt ids; the result mirrors the engine's."""
         prompt = self.engine.encode(item.payload, item.chat)
-        limit = min(params.max_tokens, self.engine.config.max_len - len(prompt))
+        limit = min(params.max_tokens, self.engine.max_len - len(prompt))
         eos = frozenset() if params.ignore_eos else self.eos
         if not params.greedy:  # the sampler is rebuilt by generate() from this seed
             llm.set_seed(params.seed % 2**32 if params.seed is not None else int(time.time_ns() % 2**32))

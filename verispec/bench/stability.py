@@ -70,7 +70,7 @@ MIXED = "English, русский, 中文, العربية, हिन्दी, �
 def cases(engine: Engine, max_tokens: int = 16) -> list[StabilityCase]:
     """The suite for ``engine``: its context limit decides the two length cases."""
     chat = bool(engine.tokenizer is not None and engine.tokenizer.chat_template)
-    limit = engine.config.max_len
+    limit = engine.max_len
     vocab = engine.target.args.vocab_size
     if engine.tokenizer is not None:
         filler = engine.encode("The quick brown fox jumps over the lazy dog, then writes some code. ")

@@ -1,14 +1,13 @@
 """Compilation bolted onto the plain forward (as gpt-fast does): nothing else changes.
 
-``compile_model`` swaps a model's forward for a ``torch.compile``d version with static
-shapes: every slot of the engine's cache (the step covers them all) by a bucket of scored
-tokens, as nano-vllm captures a graph per batch size. The attended length is always the whole cache (the mask hides what is not yet
-written; the extra keys cost a few percent of a step's bytes), and the number of new tokens
-m is padded up to a few buckets, so each bucket compiles once and steady-state steps reuse
-the compiled graphs. Padding with trailing tokens is harmless: they
-sit at positions after the real ones, so causal masking hides them from real queries, and the
-cache lengths the engine sets never include them. The cache gets slack positions so padding
-never overwrites a real entry.
+``compile_model`` swaps a model's forward for a ``torch.compile``d version with static shapes: every
+slot of the engine's cache (the step covers them all) by a bucket of scored tokens, as nano-vllm
+captures a graph per batch size. The attended length is always the whole cache (the mask hides what
+is not yet written; the extra keys cost a few percent of a step's bytes), and the number of new
+tokens m is padded up to a few buckets, so each bucket compiles once and steady-state steps reuse
+the compiled graphs. Padding with trailing tokens is harmless: they sit at positions after the real
+ones, so causal masking hides them from real queries, and the cache lengths the engine sets never
+include them. The cache gets slack positions so padding never overwrites a real entry.
 
 On CUDA each (cache, batch, bucket) shape is also captured once as a CUDA graph over static
 token/position buffers (as nano-vllm does), so a step is one graph launch instead of hundreds

@@ -15,8 +15,9 @@ Rows begun with a reduced draft vocabulary (``begin(slot, prompt, draft_vocab)``
 :mod:`verispec.drafters.vocab`) share one reduced head per forward when all drafting rows use the
 same ``draft_vocab``: the first ``draft_vocab`` ids plus the special tokens plus the union of the
 rows' prompt ids. Each row's logits are then cut to its own subset (prefix, specials, its own
-prompt's ids), so a row drafts what it would draft alone. A forward mixing such rows with full-vocabulary rows (or other sizes) runs the full head
-and cuts the reduced rows' logits the same way: still each row's own subset, just no saving.
+prompt's ids), so a row drafts what it would draft alone. A forward mixing such rows with
+full-vocabulary rows (or other sizes) runs the full head and cuts the reduced rows' logits the same
+way: still each row's own subset, just no saving.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from functools import partial
 from typing import Any
 
@@ -309,7 +309,7 @@ class Engine:
 
     @property
     def failed(self) -> BaseException | None:
-        """The BaseException that stopped the engine (None while it runs; see :meth:`reset`)."""
+        """The BaseException that last stopped a step (None if none has)."""
         return self._failed
 
     @property
@@ -351,8 +351,6 @@ class Engine:
         spec = spec or PLAIN
         ids = self.encode(prompt, chat)
         self._check_request(ids, params, spec, drafter)
-        if self._failed is not None:
-            raise VerispecError(f"the engine stopped after an error: {self._failed!r}")
         handle = RequestHandle(self, next(self._ids), ids)
         req = Request(handle, ids, params, spec, on_tokens, Metrics(requests=1, prompt_tokens=len(ids)),
                       drafter=drafter, kpolicy=request_policy(spec) if spec.enabled else None)
@@ -431,12 +429,10 @@ class Engine:
         ``seq[:-1]``; what a failed step wrote past a row's length is never read), and the cost
         model and policy stay as they were. Only an exception that no request explains (a fault in
         the scheduling itself) fails the running requests, and a BaseException such as
-        KeyboardInterrupt stops the engine: every request gets it, new ones are refused until
-        :meth:`reset`, and it propagates.
+        KeyboardInterrupt stops the step: every request gets it, the engine is :meth:`reset`
+        (it serves new requests), and it propagates.
         """
         with torch.inference_mode():
-            if self._failed is not None:
-                raise VerispecError(f"the engine stopped after an error: {self._failed!r}")
             try:
                 for adm in self.scheduler.admit():
                     try:
@@ -462,9 +458,10 @@ class Engine:
             pass
 
     def reset(self) -> None:
-        """After a BaseException stopped the engine: forget every request and cached prefix, serve again.
+        """Forget every request (without finishing their handles) and every cached prefix.
 
-        The models, the cost model and the policy are kept.
+        The models, the cost model and the policy are kept. :meth:`step` does this after a
+        BaseException, which leaves the caches in an unknown state.
         """
         for slot in list(self.scheduler.running):
             self.scheduler.release(slot)
@@ -476,9 +473,8 @@ class Engine:
             self.cache.reset(slot)
             if self.draft_runner is not None:
                 self.draft_runner.release(slot)
-        self._failed = None
 
-    def profile(self, k_max: int = PROFILE_K, context: int = 64) -> CostModel:
+    def profile(self, k_max: int = PROFILE_K, context: int = 64, reps: int = 5) -> CostModel:
         """Measure the cost curves the cost policy uses, for k up to ``k_max`` and every batch size.
 
         Done on first use of the policy otherwise (at the default ``k_max``). Rows asking for a
@@ -487,7 +483,7 @@ class Engine:
         """
         # The longer context, for what each position more costs, within what a slot can hold.
         long_context = min(8 * context, self.max_len - k_max - 1)
-        self.costs = profile_costs(self.target, self.draft, self.slots, k_max, context, long_context=long_context)
+        self.costs = profile_costs(self.target, self.draft, self.slots, k_max, context, reps, long_context)
         self.policy = CostPolicy(self.costs)
         c = self.costs
         logger.info("costs at %d-token context: target %s, draft %s; per token and further position: "
@@ -638,8 +634,8 @@ class Engine:
             req.acceptance.update(report.drafted[i], report.accepted[i])
         if row.use_model and row.k and isinstance(row.drafter, HybridDrafter):
             row.drafter.counts["draft"] += 1
-        if not req.out:
-            req.metrics.ttft_s = now - req.handle.submitted_at
+        if not req.out:  # engine time, from admission: queueing is the handle's (submitted_at)
+            req.metrics.ttft_s = now - req.handle.admitted_at
         n_before = len(req.out)
         finish = append_tokens(report.new_tokens[i], row.seq, req.out, req.params, self.eos_ids, self.decode)
         chunk = StepTokens.of(report.new_tokens[i], req.out, n_before)
@@ -766,7 +762,7 @@ class Engine:
                 self._drafters.release(req.spec, req.row.drafter)
         m = req.metrics
         m.generated_tokens = len(req.out)
-        m.total_s = time.perf_counter() - req.handle.submitted_at
+        m.total_s = time.perf_counter() - (req.handle.admitted_at or req.handle.submitted_at)
         self.stats.requests.merge(m)
         if error is not None:
             req.handle._finish(None, error)
@@ -775,13 +771,13 @@ class Engine:
         req.handle._finish(GenerationResult(req.prompt, req.out, text, reason, m))
 
     def _fail(self, error: BaseException) -> None:
-        # A BaseException mid-step leaves the caches in an unknown state: fail every request, refuse new ones.
+        # A BaseException mid-step leaves the caches in an unknown state: fail every request, start clean.
         self._failed = error
-        logger.error("engine step stopped: %r", error)
+        logger.warning("a step stopped (%r); its requests end with it", error)
         for req in list(self._by_handle.values()):
             req.done = True
             req.handle._finish(None, error)
-        self._by_handle.clear()
+        self.reset()
 
 
 def _kv_bytes_per_token(model: Any) -> int:

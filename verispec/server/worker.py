@@ -287,14 +287,9 @@ class EngineWorker:
                 self.engine.cancel(job.handle)
             if self.engine.has_work:
                 # A request that fails fails alone (its handle carries the error); the engine, and what it
-                # learned about costs, carries on with the others. step() itself raises only once the
-                # engine has stopped (every handle then has the error): it is reset and serves on.
-                try:
-                    self.engine.step()
-                except Exception:  # noqa: BLE001
-                    logger.exception("the engine stopped; resetting it and serving on")
-                    self._report()
-                    self.engine.reset()
+                # learned about costs, carries on with the others. step() raises only a BaseException,
+                # after which every running request has the error and the engine is reset.
+                self.engine.step()
             self._report()
 
     def _hand_over(self, job: _Job) -> None:
@@ -345,8 +340,6 @@ class EngineWorker:
                 except Exception as e:  # noqa: BLE001 (the step failed; so does the request)
                     self._done(job, FailedEvent(e), None)
                 else:
-                    if handle.admitted_at is not None:  # engine time, as the one-request worker reports it
-                        result.metrics.total_s = time.perf_counter() - handle.admitted_at
                     self._done(job, FinishedEvent(result), result)
         # KV usage per (path, method): the tokens the scheduler reserved for running requests.
         by_handle = {job.handle: job for job in self._jobs.values() if job.handle is not None}
