@@ -90,6 +90,11 @@ class BatchWorker:
         """The methods the batch engine can serve (it builds and so validates each one's drafter)."""
         return probe_methods(self._spec, self._batch._check_spec, " (--max-batch 1 serves every method)")
 
+    def warm_up(self, k_max: int) -> None:
+        """Profile the batch cost curves for k up to ``k_max`` before serving (k policy "cost")."""
+        if self._spec.k_policy == "cost":
+            self._batch.profile(k_max)
+
     def start(self) -> None:
         """Start the stepping thread (idempotent)."""
         if self._thread is None:

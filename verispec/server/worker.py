@@ -185,6 +185,13 @@ class EngineWorker:
         """
         return probe_methods(self._spec, self.engine.drafter)
 
+    def warm_up(self, k_max: int) -> None:
+        """Profile every available drafter's costs for k up to ``k_max`` before serving (k policy "cost")."""
+        if self._spec.k_policy == "cost":
+            for method in sorted(self.available_methods):
+                spec = replace(self._spec, method=method, k=max(1, self._spec.k))
+                self.engine.cost_model(spec, self.engine.drafter(spec), k_max)
+
     def start(self) -> None:
         """Start the thread (idempotent)."""
         if self._thread is None:
