@@ -242,8 +242,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import os
 
     from verispec import Engine
+    from verispec.log import logger
     from verispec.server import ServerConfig, serve
 
+    # Start-up progress (loading, profiling, "ready on ...") shows without -v; uvicorn's own lines need -v.
+    logger.setLevel(logging.INFO)
     # A token in argv is visible to other users (ps); the environment variable is the safer way.
     token = args.admin_token or os.environ.get("VERISPEC_ADMIN_TOKEN") or None
     config = ServerConfig(model_name=args.served_model_name or args.model, spec=_spec_from(args),
@@ -251,6 +254,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           max_batch=args.max_batch, max_queue=args.max_queue,
                           prefix_reuse=not args.no_prefix_reuse)
     _no_tp(args)
+    logger.info("loading %s%s", args.model, f" with draft {args.draft}" if args.draft else "")
     engine = Engine.from_pretrained(args.model, draft=args.draft, **_engine_kwargs(args))
     interrupted = serve(engine, config, log_level="info" if args.verbose else "warning")
     return 130 if interrupted else 0

@@ -35,6 +35,13 @@ class VerispecServer(uvicorn.Server):
         self.interrupted |= sig == signal.SIGINT
         super().handle_exit(sig, frame)
 
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=sockets)
+        if self.started and self.servers and self.servers[0].sockets:
+            host, port = self.servers[0].sockets[0].getsockname()[:2]
+            self.app.state.verispec.readiness.listening(f"http://[{host}]:{port}" if ":" in host
+                                                        else f"http://{host}:{port}")
+
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         state = self.app.state.verispec
         state.closing = True
