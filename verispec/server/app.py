@@ -25,6 +25,7 @@ from verispec.server.batch_worker import BatchWorker
 from verispec.server.canary import CanaryRouter
 from verispec.server.config import ServerConfig
 from verispec.server.errors import APIError, install_error_handlers
+from verispec.server.limits import HostCheck, RequestLimits, prompt_byte_limit
 from verispec.server.metrics import ServerMetrics
 from verispec.server.protocol import (
     ChatCompletionRequest,
@@ -44,6 +45,7 @@ from verispec.server.worker import PLAIN_PATH, SPECULATIVE, EngineWorker, Worker
 _ERRORS: dict[int | str, dict[str, Any]] = {
     400: {"model": ErrorResponse, "description": "invalid request"},
     404: {"model": ErrorResponse, "description": "unknown model"},
+    413: {"model": ErrorResponse, "description": "request body too large"},
     429: {"model": ErrorResponse, "description": "too many requests waiting (see Retry-After)"},
     503: {"model": ErrorResponse, "description": "loading (see Retry-After) or shutting down"},
 }
@@ -96,7 +98,11 @@ def create_app(engine: Engine, config: ServerConfig, worker: Worker | None = Non
         worker = (EngineWorker(engine, metrics, config.max_queue, config.spec) if config.max_batch == 1
                   else BatchWorker(engine, metrics, config.max_queue, config.spec, config.max_batch,
                                    prefix_reuse=config.prefix_reuse))
-    state = ServerState(engine, config, worker, metrics, CanaryRouter(config.spec_fraction), int(time.time()))
+    state = ServerState(engine, config, worker, metrics, CanaryRouter(config.spec_fraction), int(time.time()),
+                        prompt_byte_limit(engine.tokenizer, worker.context_len))
+    if state.prompt_byte_limit is not None:
+        logger.debug("prompts over %d bytes cannot fit the context: refused before tokenizing",
+                     state.prompt_byte_limit)
     # Sized by the server, never by a request: a request's larger k is priced by extending the curves.
     k_max = max(PROFILE_K, config.spec.k)
 
@@ -130,6 +136,9 @@ def create_app(engine: Engine, config: ServerConfig, worker: Worker | None = Non
     app.state.verispec = state
     install_error_handlers(app)
     _strip_422(app)
+    app.add_middleware(RequestLimits, max_body_bytes=config.max_body_bytes, timeout_s=config.read_timeout_s)
+    if config.checks_host:  # added last, so it runs first: a refused Host never sends its body
+        app.add_middleware(HostCheck, allowed=config.allowed_hosts or ())
 
     def not_ready() -> APIError | None:
         """The 503 a request gets before the warm-up has run (or after it failed)."""

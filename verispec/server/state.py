@@ -22,5 +22,6 @@ class ServerState:
     metrics: ServerMetrics
     router: CanaryRouter
     started: int
+    prompt_byte_limit: int | None = None  # longer prompts cannot fit the context (None: no bound known)
     readiness: Readiness = field(default_factory=Readiness)
     closing: bool = False
