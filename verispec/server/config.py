@@ -19,7 +19,9 @@ class ServerConfig:
     which also serves layer-skip drafting. ``admin_token`` guards the admin endpoints,
     which are disabled without one. ``prefix_reuse`` keeps a finished request's KV for later
     requests sharing a prefix with it (multi-turn chats, repeated system prompts; see
-    :mod:`verispec.engine.prefix`).
+    :mod:`verispec.engine.prefix`). ``max_body_bytes``, ``read_timeout_s``, ``timeout_keep_alive_s``,
+    ``limit_concurrency`` and ``allowed_hosts`` bound what one client can hold up (see
+    :mod:`verispec.server.limits`).
     """
 
     model_name: str
