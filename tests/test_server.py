@@ -543,7 +543,7 @@ def test_fuzz_openapi_schema_finds_no_server_errors(server: Any, http: httpx.Cli
                 statuses[case.path, response.status_code] += 1
                 if response.status_code >= 500:
                     failures.append(f"{case.method} {case.path} -> {response.status_code}: "
-                                    f"{case.body!r:.200} {response.text[:200]}")
+                                    f"{case.body!r:.2000} {response.text[:200]}")
 
             try:
                 fuzz()
@@ -651,6 +651,11 @@ def test_cli_serve_runs_and_stops_on_interrupt(pair: tuple[str, str]) -> None:
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=30)
         assert proc.returncode == 130 and "Traceback" not in err, err  # uvicorn re-raises the interrupt
+        # Start-up progress shows at the default log level: loading, profiling, then where it is ready.
+        lines = [line for line in err.splitlines() if line.startswith("verispec: ")]
+        starts = [next(i for i, line in enumerate(lines) if line.startswith(f"verispec: {what}"))
+                  for what in ("loading ", "warming up: profiling", f"ready on http://127.0.0.1:{port}")]
+        assert starts == sorted(starts), lines
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -61,10 +61,11 @@ def make_tiny_pair(root: Path) -> tuple[Path, Path]:
 
 
 @contextmanager
-def running_server(app: Any, config: Any, timeout: float = 30.0) -> Iterator[Any]:
+def running_server(app: Any, config: Any, timeout: float = 30.0, wait_ready: bool = True) -> Iterator[Any]:
     """Run ``app`` under :class:`VerispecServer` in a thread on a free loopback port; yields the server.
 
-    The socket is bound here first, so there is no race for the port.
+    The socket is bound here first, so there is no race for the port. With ``wait_ready`` it
+    yields once the warm-up has ended (``/health`` answers 200).
     """
     from verispec.server.runner import VerispecServer
 
@@ -81,6 +82,11 @@ def running_server(app: Any, config: Any, timeout: float = 30.0) -> Iterator[Any
             raise RuntimeError("the test server did not start")
         time.sleep(0.02)
     try:
+        readiness = app.state.verispec.readiness
+        while wait_ready and readiness.state == "loading":
+            if time.monotonic() > deadline:
+                raise RuntimeError("the test server did not finish its warm-up")
+            time.sleep(0.02)
         yield server
     finally:
         server.should_exit = True

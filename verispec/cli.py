@@ -242,15 +242,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import os
 
     from verispec import Engine
+    from verispec.log import logger
     from verispec.server import ServerConfig, serve
 
+    # Start-up progress (loading, profiling, "ready on ...") shows without -v; uvicorn's own lines need -v.
+    logger.setLevel(logging.INFO)
     # A token in argv is visible to other users (ps); the environment variable is the safer way.
     token = args.admin_token or os.environ.get("VERISPEC_ADMIN_TOKEN") or None
+    hosts = None if args.allowed_hosts is None else tuple(args.allowed_hosts.split(","))
     config = ServerConfig(model_name=args.served_model_name or args.model, spec=_spec_from(args),
                           spec_fraction=args.spec_fraction, host=args.host, port=args.port, admin_token=token,
                           max_batch=args.max_batch, max_queue=args.max_queue,
-                          prefix_reuse=not args.no_prefix_reuse)
+                          prefix_reuse=not args.no_prefix_reuse, max_body_bytes=int(args.max_body_mb * 2**20),
+                          read_timeout_s=args.read_timeout, timeout_keep_alive_s=args.timeout_keep_alive,
+                          limit_concurrency=args.limit_concurrency or None, allowed_hosts=hosts)
     _no_tp(args)
+    logger.info("loading %s%s", args.model, f" with draft {args.draft}" if args.draft else "")
     engine = Engine.from_pretrained(args.model, draft=args.draft, **_engine_kwargs(args))
     interrupted = serve(engine, config, log_level="info" if args.verbose else "warning")
     return 130 if interrupted else 0
@@ -323,6 +330,19 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--no-prefix-reuse", action="store_true",
                     help="prefill every prompt in full instead of reusing the KV an earlier request left for a "
                     "shared prefix (on by default)")
+    sv.add_argument("--max-body-mb", type=float, default=16.0,
+                    help="largest request body in MiB; larger bodies get 413 (default 16)")
+    sv.add_argument("--read-timeout", type=float, default=30.0,
+                    help="seconds a request's head, and then its body, may take to arrive; the connection is "
+                    "closed (head) or the request gets 408 (body) after that (default 30)")
+    sv.add_argument("--timeout-keep-alive", type=int, default=5,
+                    help="seconds an idle keep-alive connection stays open (default 5)")
+    sv.add_argument("--limit-concurrency", type=int, default=256,
+                    help="open connections past which requests get 503 (default 256; 0: no limit)")
+    sv.add_argument("--allowed-hosts",
+                    help="comma-separated Host header names (or *.domain) accepted besides localhost names and "
+                    "loopback addresses; * turns the check off (default: checked when --host is loopback, "
+                    "not otherwise)")
     sv.set_defaults(func=cmd_serve)
 
     d = sub.add_parser("demo", help="speculative vs plain decoding on the real pair: a table and a plot")

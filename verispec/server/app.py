@@ -16,6 +16,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from verispec import __version__
+from verispec.engine.costs import PROFILE_K
 from verispec.engine.engine import Engine
 from verispec.errors import VerispecError
 from verispec.log import logger
@@ -23,6 +24,7 @@ from verispec.server import completions
 from verispec.server.canary import CanaryRouter
 from verispec.server.config import ServerConfig
 from verispec.server.errors import APIError, install_error_handlers
+from verispec.server.limits import HostCheck, RequestLimits, prompt_byte_limit
 from verispec.server.metrics import ServerMetrics
 from verispec.server.protocol import (
     ChatCompletionRequest,
@@ -42,8 +44,9 @@ from verispec.server.worker import PLAIN_PATH, SPECULATIVE, EngineWorker, Worker
 _ERRORS: dict[int | str, dict[str, Any]] = {
     400: {"model": ErrorResponse, "description": "invalid request"},
     404: {"model": ErrorResponse, "description": "unknown model"},
+    413: {"model": ErrorResponse, "description": "request body too large"},
     429: {"model": ErrorResponse, "description": "too many requests waiting (see Retry-After)"},
-    503: {"model": ErrorResponse, "description": "shutting down"},
+    503: {"model": ErrorResponse, "description": "loading (see Retry-After) or shutting down"},
 }
 _ADMIN_ERRORS: dict[int | str, dict[str, Any]] = {
     400: {"model": ErrorResponse, "description": "invalid request"},
@@ -78,17 +81,35 @@ def create_app(engine: Engine, config: ServerConfig, worker: Worker | None = Non
     The default worker is an :class:`EngineWorker` driving ``engine`` with ``config.max_batch``
     slots (continuous batching; 1 runs one request at a time). ``worker`` replaces it (it must
     report to the app's metrics itself).
+
+    At start-up the worker's ``warm_up(k_max)`` (where it has one) profiles costs on a thread of
+    its own, for k up to the larger of :data:`~verispec.engine.costs.PROFILE_K` and the server's
+    k; until it has run, ``/health`` and the ``/v1`` endpoints answer 503 ``loading``.
     """
     if engine.tokenizer is None:
         raise VerispecError("the server needs a model with a tokenizer")
     label_sets = [(PLAIN_PATH, "none")]
     if config.spec.enabled:
         label_sets.append((SPECULATIVE, config.spec.method))
-    metrics = ServerMetrics(engine.config.max_len, config.stats_window_s, tuple(label_sets))
+    metrics = ServerMetrics(engine.max_len, config.stats_window_s, tuple(label_sets))
     if worker is None:
         worker = EngineWorker(engine, metrics, config.max_queue, config.spec, config.max_batch,
                               prefix_reuse=config.prefix_reuse)
-    state = ServerState(engine, config, worker, metrics, CanaryRouter(config.spec_fraction), int(time.time()))
+    state = ServerState(engine, config, worker, metrics, CanaryRouter(config.spec_fraction), int(time.time()),
+                        prompt_byte_limit(engine.tokenizer, worker.context_len))
+    if state.prompt_byte_limit is not None:
+        logger.debug("prompts over %d bytes cannot fit the context: refused before tokenizing",
+                     state.prompt_byte_limit)
+    # Sized by the server, never by a request: a request's larger k is priced by extending the curves.
+    k_max = max(PROFILE_K, config.spec.k)
+
+    def warm_up() -> None:
+        run = getattr(state.worker, "warm_up", None)
+        if run is not None:
+            if config.spec.k_policy == "cost":
+                logger.info("warming up: profiling draft and verification costs for k up to %d", k_max)
+            run(k_max)
+
     dashboard = (files("verispec.server") / "dashboard.html").read_text(encoding="utf-8")
 
     @asynccontextmanager
@@ -97,6 +118,7 @@ def create_app(engine: Engine, config: ServerConfig, worker: Worker | None = Non
         logger.info("serving %s (speculation: %s, fraction %.2f, batch %d)", config.model_name,
                     ", ".join(sorted(state.worker.available_methods)) or "none", state.router.fraction,
                     config.max_batch)
+        state.readiness.start(warm_up)
         try:
             yield
         finally:
@@ -111,27 +133,53 @@ def create_app(engine: Engine, config: ServerConfig, worker: Worker | None = Non
     app.state.verispec = state
     install_error_handlers(app)
     _strip_422(app)
+    app.add_middleware(RequestLimits, max_body_bytes=config.max_body_bytes, timeout_s=config.read_timeout_s)
+    if config.checks_host:  # added last, so it runs first: a refused Host never sends its body
+        app.add_middleware(HostCheck, allowed=config.allowed_hosts or ())
 
-    @app.post("/v1/completions", response_model=CompletionResponse, responses=_ERRORS,
+    def not_ready() -> APIError | None:
+        """The 503 a request gets before the warm-up has run (or after it failed)."""
+        readiness = state.readiness
+        if readiness.state == "loading":
+            return APIError(503, "the server is loading (profiling costs); retry shortly", code="loading",
+                            headers={"Retry-After": str(state.config.retry_after_s)})
+        if readiness.state == "failed":
+            return APIError(503, f"the server's warm-up failed ({readiness.error}); see its log",
+                            code="warm_up_failed")
+        return None
+
+    def require_ready() -> None:
+        error = not_ready()
+        if error is not None:
+            raise error
+
+    ready = [Depends(require_ready)]
+
+    @app.post("/v1/completions", response_model=CompletionResponse, responses=_ERRORS, dependencies=ready,
               summary="Complete a prompt (stream: true for server-sent events)")
     async def create_completion(body: CompletionRequest, request: Request) -> Response:
         return await completions.handle(state, request, body, "completion")
 
-    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_ERRORS,
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_ERRORS, dependencies=ready,
               summary="Answer a conversation through the model's chat template")
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
         return await completions.handle(state, request, body, "chat")
 
-    @app.get("/v1/models", response_model=ModelList, summary="The served model")
+    @app.get("/v1/models", response_model=ModelList, dependencies=ready, summary="The served model",
+             responses={503: {"model": ErrorResponse, "description": "loading (see Retry-After)"}})
     async def list_models() -> ModelList:
         card = ModelCard(id=config.model_name, created=state.started, max_model_len=state.worker.context_len,
                          speculative_methods=sorted(state.worker.available_methods))
         return ModelList(data=[card])
 
-    @app.get("/health", response_model=Health, responses={503: {"model": ErrorResponse}}, summary="Liveness")
+    @app.get("/health", response_model=Health, summary="Readiness: ok once the server takes requests",
+             responses={503: {"model": ErrorResponse, "description": "loading, warm-up failed, or shutting down"}})
     async def health() -> Health:
         if state.closing:
             raise APIError(503, "the server is shutting down", code="shutting_down")
+        error = not_ready()
+        if error is not None:
+            raise error
         return Health(status="ok")
 
     @app.get("/metrics", response_class=Response, summary="Prometheus metrics",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -17,6 +18,7 @@ from verispec.engine.engine import GenerationResult
 from verispec.errors import VerispecError
 from verispec.sampling import SamplingParams
 from verispec.server.errors import APIError, error_body
+from verispec.server.limits import utf8_len
 from verispec.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -84,9 +86,34 @@ def _temperature(requested: float | None) -> float:
     return 0.0 if requested < _MIN_TEMPERATURE else requested
 
 
-def _prepare(state: ServerState, request: Request, body: CompletionRequest | ChatCompletionRequest,
-             kind: Kind) -> _Call:
-    config, engine = state.config, state.engine
+def _check_bytes(state: ServerState, text: str, param: str) -> None:
+    """Refuse a prompt whose UTF-8 length alone shows that it cannot fit the context (see limits.py)."""
+    limit = state.prompt_byte_limit
+    if limit is not None and (n := utf8_len(text)) > limit:
+        raise APIError(400, f"the prompt is {n} bytes long; this model's context of {state.worker.context_len} "
+                       f"tokens cannot hold more than {limit} bytes of text; shorten the prompt", param=param,
+                       code="context_length_exceeded")
+
+
+def _encode(state: ServerState, body: CompletionRequest | ChatCompletionRequest) -> list[int]:
+    """The prompt's token ids; runs off the event loop (tokenizing a long prompt takes a while)."""
+    engine = state.engine
+    if isinstance(body, ChatCompletionRequest):
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        if state.prompt_byte_limit is not None and engine.tokenizer.chat_template:
+            # The rendered conversation is what is tokenized (a template may add or drop text).
+            text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            _check_bytes(state, text, "messages")
+        return engine.encode(messages, chat=True)
+    prompt = body.single_prompt
+    if isinstance(prompt, str):
+        _check_bytes(state, prompt, "prompt")
+    return engine.encode(prompt)
+
+
+async def _prepare(state: ServerState, request: Request, body: CompletionRequest | ChatCompletionRequest,
+                   kind: Kind) -> _Call:
+    config = state.config
     if body.model != config.model_name:
         raise APIError(404, f"the model '{body.model}' does not exist (this server serves '{config.model_name}')",
                        param="model", code="model_not_found")
@@ -94,14 +121,14 @@ def _prepare(state: ServerState, request: Request, body: CompletionRequest | Cha
     # given, is the canary key after ``user``, so retries of one request stay on one path.
     request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
     routing_key = body.user or request.headers.get("x-request-id") or request_id
+    if isinstance(body, ChatCompletionRequest):
+        requested = body.max_completion_tokens or body.max_tokens
+    else:
+        requested = body.max_tokens or config.default_max_tokens
     try:
-        if isinstance(body, ChatCompletionRequest):
-            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-            prompt_ids = engine.encode(messages, chat=True)
-            requested = body.max_completion_tokens or body.max_tokens
-        else:
-            prompt_ids = engine.encode(body.single_prompt)
-            requested = body.max_tokens or config.default_max_tokens
+        prompt_ids = await asyncio.to_thread(_encode, state, body)
+    except APIError:
+        raise
     except VerispecError as e:
         raise APIError(400, str(e), param="messages" if kind == "chat" else "prompt",
                        code="context_length_exceeded" if "context" in str(e) else None) from None
@@ -158,7 +185,7 @@ def _error_from(event: FailedEvent) -> APIError:
 async def handle(state: ServerState, request: Request, body: CompletionRequest | ChatCompletionRequest,
                  kind: Kind) -> Response:
     """Serve one completion or chat completion request, streamed or not."""
-    call = _prepare(state, request, body, kind)
+    call = await _prepare(state, request, body, kind)
     stream = _submit(state, call)
     headers = {"X-Request-Id": request.headers.get("x-request-id") or call.id}
     if body.stream:

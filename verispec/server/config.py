@@ -19,7 +19,9 @@ class ServerConfig:
     which also serves layer-skip drafting. ``admin_token`` guards the admin endpoints,
     which are disabled without one. ``prefix_reuse`` keeps a finished request's KV for later
     requests sharing a prefix with it (multi-turn chats, repeated system prompts; see
-    :mod:`verispec.engine.prefix`).
+    :mod:`verispec.engine.prefix`). ``max_body_bytes``, ``read_timeout_s``, ``timeout_keep_alive_s``,
+    ``limit_concurrency`` and ``allowed_hosts`` bound what one client can hold up (see
+    :mod:`verispec.server.limits`).
     """
 
     model_name: str
@@ -35,6 +37,13 @@ class ServerConfig:
     stats_window_s: float = 60.0  # the window /stats and the dashboard summarise
     shutdown_timeout_s: float = 10.0  # how long shutdown waits for the worker to stop
     prefix_reuse: bool = True  # reuse the KV a finished request left for requests sharing its prefix
+    max_body_bytes: int = 16 * 2**20  # a request body past this is refused with 413
+    read_timeout_s: float = 30.0  # a request's head, and then its body, must arrive within this
+    timeout_keep_alive_s: int = 5  # an idle keep-alive connection is closed after this
+    limit_concurrency: int | None = 256  # open connections past this get 503 (None: no limit)
+    # Host headers accepted (besides localhost names and loopback addresses); None: the check is on
+    # exactly when the server listens on a loopback address; ("*",): no check.
+    allowed_hosts: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if not self.model_name:
@@ -55,3 +64,23 @@ class ServerConfig:
             raise VerispecError("stats_window_s and shutdown_timeout_s must be positive")
         if self.admin_token is not None and len(self.admin_token) < 8:
             raise VerispecError("the admin token must have at least 8 characters")
+        if self.max_body_bytes < 1:
+            raise VerispecError(f"max_body_bytes must be at least 1 (got {self.max_body_bytes!r})")
+        if self.read_timeout_s <= 0 or self.timeout_keep_alive_s < 1:
+            raise VerispecError("read_timeout_s must be positive and timeout_keep_alive_s at least 1")
+        if self.limit_concurrency is not None and self.limit_concurrency < 1:
+            raise VerispecError(f"limit_concurrency must be at least 1 (got {self.limit_concurrency!r})")
+        if self.allowed_hosts is not None:
+            hosts = tuple(h.strip().lower() for h in self.allowed_hosts if h.strip())
+            if not hosts:
+                raise VerispecError("allowed_hosts needs at least one name (\"*\" turns the Host check off)")
+            object.__setattr__(self, "allowed_hosts", hosts)
+
+    @property
+    def checks_host(self) -> bool:
+        """Whether the Host header is checked (see :mod:`verispec.server.limits`)."""
+        from verispec.server.limits import is_loopback
+
+        if self.allowed_hosts is None:
+            return is_loopback(self.host)
+        return "*" not in self.allowed_hosts

@@ -11,6 +11,7 @@ from fastapi import FastAPI
 
 from verispec.engine.engine import Engine
 from verispec.server.config import ServerConfig
+from verispec.server.limits import h11_protocol
 
 
 class VerispecServer(uvicorn.Server):
@@ -19,12 +20,19 @@ class VerispecServer(uvicorn.Server):
     uvicorn waits for open connections before the app's lifespan ends, so a long stream
     would hold shutdown up; cancelling through the worker first ends every stream promptly
     (streaming clients get an error event, waiting ones a 503).
+
+    Connections are bounded by ``config``: ``limit_concurrency`` (uvicorn answers 503 past it),
+    ``timeout_keep_alive_s`` for idle keep-alive connections, and ``read_timeout_s`` for each
+    request's head (h11 with a head deadline; uvicorn caps the head at 16 KiB).
     """
 
     def __init__(self, app: FastAPI, config: ServerConfig, log_level: str = "info", access_log: bool = True) -> None:
         super().__init__(uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level,
                                         access_log=access_log, lifespan="on",
-                                        timeout_graceful_shutdown=int(config.shutdown_timeout_s)))
+                                        timeout_graceful_shutdown=int(config.shutdown_timeout_s),
+                                        http=h11_protocol(config.read_timeout_s),
+                                        limit_concurrency=config.limit_concurrency,
+                                        timeout_keep_alive=config.timeout_keep_alive_s))
         self.app = app
         self.interrupted = False  # a SIGINT (Ctrl-C) ended the server
 
@@ -34,6 +42,13 @@ class VerispecServer(uvicorn.Server):
         # the exit status says "interrupted" either way.
         self.interrupted |= sig == signal.SIGINT
         super().handle_exit(sig, frame)
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=sockets)
+        if self.started and self.servers and self.servers[0].sockets:
+            host, port = self.servers[0].sockets[0].getsockname()[:2]
+            self.app.state.verispec.readiness.listening(f"http://[{host}]:{port}" if ":" in host
+                                                        else f"http://{host}:{port}")
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         state = self.app.state.verispec

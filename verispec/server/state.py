@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from verispec.engine.engine import Engine
 from verispec.server.canary import CanaryRouter
 from verispec.server.config import ServerConfig
 from verispec.server.metrics import ServerMetrics
+from verispec.server.readiness import Readiness
 from verispec.server.worker import Worker
 
 
@@ -21,4 +22,6 @@ class ServerState:
     metrics: ServerMetrics
     router: CanaryRouter
     started: int
+    prompt_byte_limit: int | None = None  # longer prompts cannot fit the context (None: no bound known)
+    readiness: Readiness = field(default_factory=Readiness)
     closing: bool = False

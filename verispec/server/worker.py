@@ -200,7 +200,7 @@ class EngineWorker:
 
     def warm_up(self, k_max: int) -> None:
         """Profile the cost policy's curves for k up to ``k_max`` before serving, if the default spec uses it."""
-        if self._spec.enabled and self._spec.k_policy == "cost" and self.engine.costs is None:
+        if self._spec.k_policy == "cost" and self.engine.costs is None:
             self.engine.profile(k_max)
 
     def start(self) -> None:
