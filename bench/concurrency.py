@@ -36,7 +36,7 @@ from verispec.engine.engine import GenerationResult
 from verispec.engine.metrics import Metrics
 from verispec.engine.step import EngineStats
 
-ALONE = "alone"  # the single-request Engine with the cost policy, one request after another (concurrency 1 only)
+ALONE = "alone"  # Engine.generate with the cost policy, one request after another (concurrency 1 only)
 MODES = ("plain", "fixed", "policy", ALONE)
 
 
@@ -283,7 +283,7 @@ def main() -> None:
              "policy": SpecConfig(method=args.method, k=args.k, k_policy="cost")}
     specs[ALONE] = specs["policy"]
     costs = be.profile(k_max=args.k)
-    for mode in modes:  # warm-up: kernels, allocator, drafters (the single-request engine profiles its costs)
+    for mode in modes:  # warm-up: kernels, allocator, drafters (each engine profiles its costs)
         if mode == ALONE:
             one_at_a_time(engine, prompts[:1], SamplingParams(max_tokens=8), specs[mode])
         else:
@@ -323,7 +323,7 @@ def main() -> None:
     header = (f"# Concurrency sweep\n\n{title}, {info['date']}. Spec-Bench prompts per run: "
               f"max({args.requests}, 2 x clients), the first of one shuffled list; "
               f"closed loop, greedy; fixed k = {args.k}; policy = concurrency-aware cost policy (k <= {args.k})"
-              + (f"; {ALONE} = the single-request engine with the cost policy, one request at a time." if ALONE in modes
+              + (f"; {ALONE} = one slot with the cost policy, one request at a time." if ALONE in modes
                  else "."))
     if args.repeats > 1:
         header += (f" {args.repeats} runs per concurrency and mode, modes alternating (in reverse order every "

@@ -337,7 +337,8 @@ SECTIONS: list[tuple[str, str, str, Any]] = [
     ("concurrency", "Concurrency: the batching engine",
      "`bench/concurrency.py`: a closed loop of clients over Spec-Bench prompts on the batching engine, plain "
      "decoding against fixed-k speculation, the concurrency-aware cost policy (`policy`) and, at one client, the "
-     "single-request engine (`alone`). Beyond prefill: throughput over the wall time outside the target's prompt "
+     "engine serving one request after another through `generate` (`alone`). Beyond prefill: throughput over "
+     "the wall time outside the target's prompt "
      "prefill, which is the same work in every mode.", concurrency_section),
     ("verify_cost", "Verification cost of the whole target forward",
      "`bench/verify_cost.py`: t(M)/t(1) for M scored tokens over a 64-token context, per weight format.",

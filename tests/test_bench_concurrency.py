@@ -28,7 +28,7 @@ def test_repeats_report_medians_and_paired_ratios(tmp_path, qwen2_tiny, qwen2_no
         pytest.fail("Spec-Bench prompts missing: " + r.stderr[-500:])
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     rows = json.loads((out / "concurrency.json").read_text())["rows"]
-    # The single-request engine ("alone") runs at one client only.
+    # One request after another through generate ("alone") runs at one client only.
     assert [(x["concurrency"], x["mode"]) for x in rows] == [
         (1, "plain"), (1, "fixed"), (1, "policy"), (1, "alone"), (2, "plain"), (2, "fixed"), (2, "policy")]
     # Each level serves at least two prompts per client: 3 requests at one client, 4 at two.
@@ -47,7 +47,7 @@ def test_repeats_report_medians_and_paired_ratios(tmp_path, qwen2_tiny, qwen2_no
             expected = [t / p for t, p in zip(runs, plain["runs_tokens_per_s"], strict=False)]
             assert x["vs_plain_runs"] == pytest.approx(expected)
         # Beyond prefill: the same pairing over the wall time outside the target's prompt prefill,
-        # which every mode spends (the single-request engine included) and which is taken out.
+        # which every mode spends ("alone" included) and which is taken out.
         beyond = x["runs_beyond_prefill_tokens_per_s"]
         assert x["prefill_s"] > 0 and len(beyond) == len(runs)
         assert all(b > t for b, t in zip(beyond, runs, strict=True))

@@ -13,7 +13,7 @@ length p; what the row holds beyond p is stale and never read, exactly like reje
 The target's row of a sequence holds ``seq[:-1]`` while it runs (the last token is the next step's
 input), so a request reuses at most ``len(prompt) - 1`` positions and its first step scores the last
 prompt token as always. :func:`common_prefix` is the one longest-common-prefix rule, used by the
-batch engine's target and draft rows and by the single-request engine's one row.
+engine's target rows and by the draft runner's rows.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
-"""When a request stops, shared by the one-request :class:`Engine` loop and the :class:`BatchEngine`.
+"""When a request stops: stop conditions and streamed chunks of the engine's requests.
 
 A step yields 1 to k + 1 tokens at once; they are appended one by one so that EOS, a stop string
 or ``max_tokens`` hit in the middle of a step cut it exactly where plain decoding would have
-stopped. Keeping this in one place is what lets batched and single-request outputs match.
+stopped. Keeping this in one place is what makes a request's output the same alone or in a batch.
 """
 
 from __future__ import annotations

@@ -15,8 +15,7 @@ class ServerConfig:
     ``spec`` is the speculation used for requests routed to the speculative path (a request
     may name another method or k); ``spec_fraction`` is the canary share of requests routed
     there when a request does not choose itself. ``max_batch`` requests share each target forward
-    (:class:`~verispec.engine.batch.BatchEngine`); with 1 the one-request engine serves them in turn,
-    which also serves layer-skip drafting. ``admin_token`` guards the admin endpoints,
+    (the engine's slots; 1 serves them in turn). ``admin_token`` guards the admin endpoints,
     which are disabled without one. ``prefix_reuse`` keeps a finished request's KV for later
     requests sharing a prefix with it (multi-turn chats, repeated system prompts; see
     :mod:`verispec.engine.prefix`). ``max_body_bytes``, ``read_timeout_s``, ``timeout_keep_alive_s``,
