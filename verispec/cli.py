@@ -258,7 +258,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           limit_concurrency=args.limit_concurrency or None, allowed_hosts=hosts)
     _no_tp(args)
     logger.info("loading %s%s", args.model, f" with draft {args.draft}" if args.draft else "")
-    engine = Engine.from_pretrained(args.model, draft=args.draft, **_engine_kwargs(args))
+    # The slots the server asks for, so its worker need not allocate a second set of caches.
+    engine = Engine.from_pretrained(args.model, draft=args.draft, max_batch=config.max_batch,
+                                    prefix_reuse=config.prefix_reuse, **_engine_kwargs(args))
     interrupted = serve(engine, config, log_level="info" if args.verbose else "warning")
     return 130 if interrupted else 0
 
