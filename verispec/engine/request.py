@@ -68,7 +68,7 @@ class RequestHandle:
     def result(self) -> GenerationResult:
         """The finished request's result, stepping the engine until it is done; raises the request's error."""
         while not self.done:
-            self._engine.step()
+            self._step()
         return self._outcome()
 
     def __iter__(self) -> Iterator[list[int]]:
@@ -79,7 +79,11 @@ class RequestHandle:
                 self._outcome()  # raises the request's error, if any
                 return
             else:
-                self._engine.step()
+                self._step()
+
+    def _step(self) -> None:
+        if not self._engine.step() and not self.done:
+            raise RuntimeError(f"request {self.id} is neither done nor queued in its engine")
 
     def _outcome(self) -> GenerationResult:
         if self._error is not None:
