@@ -321,7 +321,7 @@ class Engine:
     def drafter(self, spec: SpecConfig) -> Drafter | None:
         """A new per-row drafter for ``spec`` (None for plain decoding and for method ``draft``, whose
         drafts come from the engine's draft runner); raises a :class:`VerispecError` if it cannot be built."""
-        return make_drafter(spec, self.draft_context) if spec.enabled else None
+        return make_drafter(spec, self._drafters.ctx) if spec.enabled else None
 
     def check_spec(self, spec: SpecConfig) -> None:
         """Raise a :class:`VerispecError` unless this engine can speculate as ``spec`` says (plain always can).
@@ -507,8 +507,8 @@ class Engine:
         self.stats.prefix_reused_tokens += reused
         spec = req.spec
         # On the target's device: verification samples there (the draft runner keeps its own if elsewhere).
-        req.generator = None if req.params.greedy else req.params.generator(self.target.device)
-        row = Row(slot, list(req.prompt), req.params, req.generator, req.metrics)
+        generator = None if req.params.greedy else req.params.generator(self.target.device)
+        row = Row(slot, list(req.prompt), req.params, generator, req.metrics)
         if spec.enabled:
             row.drafter = req.drafter or self._drafters.acquire(spec)
             row.model_draft = req.drafter is None and spec.method in ("draft", "hybrid") and \
@@ -565,18 +565,17 @@ class Engine:
         cap = k_cap(req.spec.k, req.params, len(req.out), room) if row.speculates else 0
         # A trusted lookup (hybrid) costs no draft time: it is drafted whatever the policy would say,
         # and the policy learns nothing from it. Otherwise a hybrid row drafts with the draft model.
-        free = row.drafter.free_tokens(row.seq, cap, req.params, req.generator) \
+        free = row.drafter.free_tokens(row.seq, cap, req.params, row.generator) \
             if cap and row.drafter is not None else 0
         lookup_only = isinstance(row.drafter, HybridDrafter) and not row.model_draft
         row.use_model = row.model_draft and not free
         req.governed = False
-        if free or (lookup_only and not free):
+        if free or lookup_only:
             return RowPlan(cap, fixed_k=free, context=len(row.seq))
         if req.kpolicy is not None:
             return RowPlan(cap, fixed_k=req.kpolicy.choose(cap), model_draft=row.use_model, context=len(row.seq))
         req.governed = True
-        catch_up = self.draft_runner.catch_up_needed(row.slot, row.seq) \
-            if row.use_model and self.draft_runner is not None else 0
+        catch_up = self.draft_runner.catch_up_needed(row.slot, row.seq) if row.use_model else 0
         horizon = self.answer_lengths.expected_remaining(len(req.out), min(req.params.max_tokens - len(req.out), room))
         own_s = 0.0
         if row.drafter is not None and not row.use_model and row.drafter.forward_fraction:

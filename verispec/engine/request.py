@@ -8,8 +8,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import torch
-
 from verispec.config import SpecConfig
 from verispec.drafters.base import Drafter
 from verispec.engine.metrics import Metrics
@@ -123,7 +121,6 @@ class Request:
     probes: ProbeSchedule = field(default_factory=ProbeSchedule)
     governed: bool = False  # the cost policy chose this step's k
     row: Row | None = None
-    generator: torch.Generator | None = None
     out: list[int] = field(default_factory=list)
     prefilled: bool = False
     done: bool = False

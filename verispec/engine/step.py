@@ -225,12 +225,17 @@ class EngineStats:
         if policy_k is not None:
             self.policy_k[policy_k] = self.policy_k.get(policy_k, 0) + 1
 
+    @property
+    def mean_rows(self) -> float:
+        """Rows per step, over all steps (0 without steps)."""
+        return sum(b * c for b, c in self.rows_steps.items()) / self.steps if self.steps else 0.0
+
     def summary(self) -> dict[str, Any]:
         """Plain JSON-able counters (the merged request metrics under ``requests``)."""
         names = ("steps", "step_s", "scored_tokens", "prefill_tokens", "prefill_s", "catch_up_tokens", "catch_up_s",
                  "prefix_hits", "prefix_reused_tokens", "prefix_draft_reused_tokens", "rows_steps", "width_steps",
                  "policy_k")
         d = {name: getattr(self, name) for name in names}
-        d["mean_rows"] = sum(b * c for b, c in self.rows_steps.items()) / self.steps if self.steps else 0.0
+        d["mean_rows"] = self.mean_rows
         d["requests"] = self.requests.summary()
         return d

@@ -370,7 +370,7 @@ class EngineWorker:
         return {"max_batch": b.slots, "running": b.num_running, "kv_used_tokens": b.kv_used_tokens,
                 "kv_budget_tokens": b.kv_budget_tokens, "steps": st.steps,
                 "rows_steps": {str(n): c for n, c in sorted(rows.items())},
-                "mean_rows": sum(n * c for n, c in rows.items()) / st.steps if st.steps else 0.0,
+                "mean_rows": st.mean_rows,
                 "prefix_reuse": b.prefix_reuse, "prefill_tokens": st.prefill_tokens, "prefix_hits": st.prefix_hits,
                 "prefix_reused_tokens": st.prefix_reused_tokens,
                 "prefix_draft_reused_tokens": st.prefix_draft_reused_tokens}
