@@ -18,6 +18,7 @@ from tiny import make_tiny
 
 from verispec import SamplingParams, SpecConfig, VerispecError
 from verispec.bench.methods import parse_method
+from verispec.drafters import make_drafter
 from verispec.config import DEFAULT_SPEC
 from verispec.drafters.vocab import DraftVocab, linear_rows, prefix_linear, special_token_ids
 from verispec.engine.draft_runner import DraftRow, DraftRunner
@@ -319,10 +320,12 @@ def test_prefix_needs_a_multiple_of_16():
 
 
 def test_reduced_vocab_with_compile_is_refused(engine):
-    compiled = make_engine(engine.target, engine.draft)
-    compiled.config = replace(compiled.config, compile=True)  # only the check, no compilation
-    with pytest.raises(VerispecError, match="--compile"):
-        compiled.drafter(SpecConfig(method="draft", draft_vocab=N))
+    # The context a compiled engine hands its drafters, without compiling anything.
+    ctx = replace(engine.draft_context, compiled=True)
+    for method in ("draft", "hybrid"):
+        with pytest.raises(VerispecError, match="--compile"):
+            make_drafter(SpecConfig(method=method, draft_vocab=N), ctx)
+    assert make_drafter(SpecConfig(method="draft"), ctx) is None  # the full head compiles
 
 
 def test_drafters_without_a_draft_model_ignore_it(engine):
