@@ -11,18 +11,45 @@ import torch
 from torch import nn
 
 
+# AMD families and model ranges -> core generation (family 25 holds Zen 3 and Zen 4; family 26 is Zen 5).
+_AMD_CORES = ((25, range(0x10, 0x20), "Zen 4"), (25, range(0x60, 0x80), "Zen 4"), (25, range(0xA0, 0xB0), "Zen 4"),
+              (25, range(0x00, 0x100), "Zen 3"), (26, range(0x00, 0x100), "Zen 5"), (23, range(0x00, 0x100), "Zen 2"))
+
+
+def cpu_description(cpuinfo: str) -> str:
+    """The CPU as figures must name it: model name, family and model (and AMD's core generation), and
+    the widest vector extension the kernels can use, from the text of /proc/cpuinfo."""
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key.strip() not in fields:
+            fields[key.strip()] = value.strip()
+    name = fields.get("model name") or platform.processor() or platform.machine()
+    try:
+        family, model = int(fields["cpu family"]), int(fields["model"])
+    except (KeyError, ValueError):
+        return name
+    where = f"family {family} model {model}"
+    if fields.get("vendor_id") == "AuthenticAMD":
+        core = next((c for f, models, c in _AMD_CORES if f == family and model in models), None)
+        where += f", {core}" if core else ""
+    flags = set(fields.get("flags", "").split())
+    isa = ("AVX-512 BF16" if "avx512_bf16" in flags else "AVX-512" if "avx512f" in flags
+           else "AVX2" if "avx2" in flags else "no AVX2")
+    return f"{name} ({where}; {isa})"
+
+
 def machine() -> dict[str, Any]:
     """What the figures were measured on."""
     import transformers
 
     from verispec.config import cpu_has_fast_bf16
 
-    cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+            cpu = cpu_description(f.read())
     except OSError:
-        pass
+        cpu = platform.processor() or platform.machine()
     return {"date": date.today().isoformat(), "cpu": cpu, "threads": torch.get_num_threads(),
             "bf16_native": cpu_has_fast_bf16(), "python": platform.python_version(), "torch": torch.__version__,
             "transformers": transformers.__version__}

@@ -1,0 +1,30 @@
+"""Every figure names its CPU: model name, family and model, core generation and vector extension."""
+
+from verispec.bench.hardware import cpu_description
+
+ZEN4 = """processor\t: 0
+vendor_id\t: AuthenticAMD
+cpu family\t: 25
+model\t\t: 17
+model name\t: AMD EPYC
+flags\t\t: fpu avx2 avx512f avx512_bf16
+processor\t: 1
+vendor_id\t: AuthenticAMD
+cpu family\t: 25
+model\t\t: 17
+"""
+
+
+def test_amd_names_family_model_core_and_isa():
+    assert cpu_description(ZEN4) == "AMD EPYC (family 25 model 17, Zen 4; AVX-512 BF16)"
+    zen3 = ZEN4.replace("model\t\t: 17", "model\t\t: 1").replace(" avx512f avx512_bf16", "")
+    assert cpu_description(zen3) == "AMD EPYC (family 25 model 1, Zen 3; AVX2)"
+    zen5 = ZEN4.replace("cpu family\t: 25", "cpu family\t: 26").replace("model\t\t: 17", "model\t\t: 2")
+    assert cpu_description(zen5) == "AMD EPYC (family 26 model 2, Zen 5; AVX-512 BF16)"
+
+
+def test_intel_and_missing_fields():
+    intel = ZEN4.replace("AuthenticAMD", "GenuineIntel").replace("cpu family\t: 25", "cpu family\t: 6") \
+        .replace("model name\t: AMD EPYC", "model name\t: Intel Xeon").replace(" avx512_bf16", "")
+    assert cpu_description(intel) == "Intel Xeon (family 6 model 17; AVX-512)"
+    assert cpu_description("model name\t: Some CPU\n") == "Some CPU"
