@@ -31,7 +31,7 @@ import torch
 from verispec import Engine, SamplingParams, SpecConfig, VerispecError
 from verispec.bench.datasets import default_spec_bench, spec_bench
 from verispec.bench.hardware import machine
-from verispec.config import PLAIN
+from verispec.config import DEFAULT_SPEC, PLAIN, spec_defaults
 from verispec.engine.engine import GenerationResult
 from verispec.engine.metrics import Metrics
 from verispec.engine.step import EngineStats
@@ -230,7 +230,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
     ap.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct")
-    ap.add_argument("--method", default="draft", choices=("draft", "ngram"))
+    ap.add_argument("--method", default=DEFAULT_SPEC.method, choices=("draft", "hybrid", "ngram"),
+                    help="the drafter; every other speculation setting is verispec's default")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--weights", default="dense", help="the target's weight format")
     ap.add_argument("--draft-weights", default="dense", help="the draft's weight format (int4-all: cheapest drafts)")
@@ -259,7 +260,7 @@ def main() -> None:
     once = {m for m in args.once.split(",") if m}
     if args.repeats < 1 or not set(modes) <= set(MODES) or not once <= set(modes) or "plain" in once:
         ap.error(f"--repeats >= 1; --modes from {', '.join(MODES)}; --once a subset of them, without plain")
-    engine = Engine.from_pretrained(args.model, draft=args.draft if args.method == "draft" else None,
+    engine = Engine.from_pretrained(args.model, draft=args.draft if args.method != "ngram" else None,
                                     dtype=args.dtype, weights=args.weights, draft_weights=args.draft_weights,
                                     device=args.device, max_len=args.max_len, progress=True)
     be = engine.with_config(max_batch=max(levels), max_len=args.max_len)
@@ -279,8 +280,9 @@ def main() -> None:
     prompts = prompts[:n]
     if not prompts:
         ap.error(f"no Spec-Bench prompt fits a context of {be.max_len} with {args.max_tokens} new tokens")
-    specs = {"plain": PLAIN, "fixed": SpecConfig(method=args.method, k=args.k, k_policy="fixed"),
-             "policy": SpecConfig(method=args.method, k=args.k, k_policy="cost")}
+    # What a user gets by naming only the method (its k policy, draft head, window and confidence stop).
+    specs = {"plain": PLAIN, "fixed": spec_defaults(method=args.method, k=args.k, k_policy="fixed"),
+             "policy": spec_defaults(method=args.method, k=args.k, k_policy="cost")}
     specs[ALONE] = specs["policy"]
     costs = be.profile(k_max=args.k)
     for mode in modes:  # warm-up: kernels, allocator, drafters (each engine profiles its costs)
@@ -317,12 +319,13 @@ def main() -> None:
         info["gpu"] = torch.cuda.get_device_name(args.device)
     where = info.get("gpu") or f"{info['cpu']}, {info['threads']} threads"
     weights = f"{args.dtype}, target {args.weights}"
-    if args.method == "draft":
+    if args.method != "ngram":
         weights += f", draft {args.draft_weights}"
     title = f"{Path(args.model).name} + {args.method} ({weights}), {args.max_tokens} tokens, {where}"
     header = (f"# Concurrency sweep\n\n{title}, {info['date']}. Spec-Bench prompts per run: "
-              f"max({args.requests}, 2 x clients), the first of one shuffled list; "
-              f"closed loop, greedy; fixed k = {args.k}; policy = concurrency-aware cost policy (k <= {args.k})"
+              f"max({args.requests}, 2 x clients), the first of one list shuffled with seed {args.seed}; "
+              f"closed loop, greedy; fixed k = {args.k}; policy = verispec's defaults for {args.method} (cost "
+              f"policy, k <= {args.k})"
               + (f"; {ALONE} = one slot with the cost policy, one request at a time." if ALONE in modes
                  else "."))
     if args.repeats > 1:

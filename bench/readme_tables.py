@@ -313,6 +313,12 @@ def gpu_section(folder: Path, base: Path) -> list[str]:
 
 # (step folder, heading, what it measures, renderer)
 SECTIONS: list[tuple[str, str, str, Any]] = [
+    ("report", "The report split: verispec's defaults against plain decoding and fixed k",
+     "The int4 pair under verispec's defaults (`hybrid`: the cost policy, a 32768-token draft head, the confidence "
+     "stop and a 256-token draft window) against plain decoding and against the same settings at a fixed k of 2, "
+     "3 and 5, on prompts no default was tuned on: Spec-Bench sampled with seed 1, HumanEval problems 100-119 and "
+     "the packaged chat-formatted coding requests (`chat_code`). The defaults were chosen on Spec-Bench seed 0 "
+     "and HumanEval 0-19 (the sections below).", bench_section),
     ("int4_long", "int4 target and draft against llama.cpp, long answers",
      "The target runs from its GGUF's Q4_K tensors as int4 (its Q6_K tensors as int8), the draft as `int4-all`, "
      "through verispec's CPU kernels; llama.cpp runs the same GGUF file. Tokens/s include the prefill. The ratio "
@@ -334,12 +340,17 @@ SECTIONS: list[tuple[str, str, str, Any]] = [
      "The stability suite of `verispec bench --stability`: context limits, template markup, emoji, control "
      "characters, mixed scripts, an empty prompt, one token and a drafter that never proposes; each case must "
      "give plain decoding's tokens, or refuse as plain decoding refuses.", stability_section),
-    ("concurrency", "Concurrency: the batching engine",
-     "`bench/concurrency.py`: a closed loop of clients over Spec-Bench prompts on the batching engine, plain "
-     "decoding against fixed-k speculation, the concurrency-aware cost policy (`policy`) and, at one client, the "
-     "engine serving one request after another through `generate` (`alone`). Beyond prefill: throughput over "
-     "the wall time outside the target's prompt "
-     "prefill, which is the same work in every mode.", concurrency_section),
+    ("concurrency", "Concurrency: one engine, many slots",
+     "`bench/concurrency.py`: a closed loop of clients over Spec-Bench prompts on one engine with a slot per "
+     "client, plain decoding against verispec's defaults (`policy`: the cost policy over all running rows) and, "
+     "at one client, the same requests through `generate` one after another (`alone`). Beyond prefill: "
+     "throughput over the wall time outside the target's prompt prefill, which is the same work in every mode.",
+     concurrency_section),
+    ("server", "Server: launch to ready, and the first requests",
+     "`bench/server_ready.py`: `verispec serve` on the pair with its default settings, `/health` polled from "
+     "launch; once it answers 200, chat requests one at a time (greedy, speculative under the server's defaults, "
+     "then plain, then speculative again). The warm-up profiles before ready, so the first speculative request "
+     "runs no profiling.", lambda f, b: md_section(f, b, ["server_ready.md"], "server_ready.json")),
     ("verify_cost", "Verification cost of the whole target forward",
      "`bench/verify_cost.py`: t(M)/t(1) for M scored tokens over a 64-token context, per weight format.",
      verify_cost_section),

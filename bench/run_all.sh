@@ -8,7 +8,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-docs/results}
-STEPS=${STEPS:-plain humaneval full report advise two_process stability concurrency verify_cost kernels fused_paths int4 int4_long draft_window draft_cost load compile}
+STEPS=${STEPS:-plain humaneval full report advise two_process stability concurrency server verify_cost kernels fused_paths int4 int4_long draft_window draft_cost load compile}
 V=.venv/bin/verispec
 PY=.venv/bin/python
 PAIR=(--model qwen2.5-coder-1.5b-instruct --draft qwen2.5-coder-0.5b-instruct --dtype bfloat16 --weights dense
@@ -47,14 +47,17 @@ for step in $STEPS; do
     two_process)  # draft and target in one process against one process each
       $PY bench/two_process.py --model qwen2.5-coder-1.5b-instruct --draft qwen2.5-coder-0.5b-instruct \
         --dtype bfloat16 --max-tokens 64 --prompts 2 --json "$D/two_process.json" | tee "$D/two_process.md" ;;
-    concurrency)  # the batching engine at 1-4 clients (8 requests) and 8-16 (32); every mode but fixed k 3 runs
-      $PY bench/concurrency.py --dtype bfloat16 --draft-weights int4-all --max-tokens 48 --concurrency 1,2,4 \
-        --requests 8 --repeats 3 --once fixed --out "$D/1-4"
-      $PY bench/concurrency.py --dtype bfloat16 --draft-weights int4-all --max-tokens 48 --concurrency 8,16 \
-        --requests 32 --repeats 3 --once fixed --out "$D/8-16" ;;
+    concurrency)  # the int4 pair under verispec's defaults at 1-4 clients (8 requests) and 8-16 (32), Spec-Bench
+                  # prompts of the report split; "alone" runs the same requests one at a time
+      $PY bench/concurrency.py --weights int4 --draft-weights int4-all --max-tokens 64 --concurrency 1,2,4 \
+        --requests 8 --repeats 3 --seed 1 --modes plain,policy,alone --out "$D/1-4"
+      $PY bench/concurrency.py --weights int4 --draft-weights int4-all --max-tokens 64 --concurrency 8,16 \
+        --requests 32 --repeats 3 --seed 1 --modes plain,policy --out "$D/8-16" ;;
     stability)    # odd inputs (context limits, markup, emoji, control characters), plain against speculative
       $V bench "${PAIR[@]}" "${SPEC[@]}" --methods draft,ngram --dataset humaneval --n 1 --max-tokens 16 --max-len 1024 \
         --stability --no-progress --out "$D" ;;
+    server)       # `verispec serve` on the pair with its defaults: launch to ready, then the first requests
+      $PY bench/server_ready.py --max-tokens 128 --out "$D" ;;
     verify_cost)  # the whole target forward's t(M)/t(1) per weight format, with a plot
       $PY bench/verify_cost.py --formats dense,int8,int4 --reps 5 --decode-tokens 32 --out "$D" \
         | tee "$D/verify_cost.md" ;;
