@@ -1,7 +1,8 @@
 """The cost k policy and the cost curves it reads, on hand-built cost models (no models run).
 
 A row drafts only where the predicted goodput beats plain decoding by MIN_GAIN, joins only if its
-draft catch-up is won back, and every row's probes back off but never stop.
+draft catch-up is won back, and every row's probes back off but never stop. Profiling bounds the
+time it spends per shape.
 """
 
 from __future__ import annotations
@@ -273,3 +274,27 @@ def test_cost_model_composes_draft_target_and_context():
     assert aware.target.points[16] == pytest.approx(0.71)
     with pytest.raises(ValueError):
         ContextCost(64, target_s=-1.0)
+
+
+def test_profiling_stops_repeating_a_shape_once_its_budget_is_spent(monkeypatch: pytest.MonkeyPatch):
+    import torch
+
+    from verispec.engine import metrics
+
+    clock = [0.0]
+    monkeypatch.setattr(metrics.time, "perf_counter", lambda: clock[0])
+    calls = []
+
+    def run(seconds: float) -> None:
+        calls.append(seconds)
+        clock[0] += seconds
+
+    cpu = torch.device("cpu")
+    # A slow shape (0.4 s a forward, budget 0.5 s): the warm-up, then two timed forwards, not five.
+    assert metrics.seconds_of(lambda: run(0.4), cpu, reps=5, budget_s=0.5) == pytest.approx([0.4, 0.4])
+    assert len(calls) == 3
+    # A cheap one takes every repetition; so does any shape without a budget.
+    assert len(metrics.seconds_of(lambda: run(0.01), cpu, reps=5, budget_s=0.5)) == 5
+    assert len(metrics.seconds_of(lambda: run(0.4), cpu, reps=5)) == 5
+    # One forward over the budget is still timed once.
+    assert metrics.seconds_of(lambda: run(2.0), cpu, reps=5, budget_s=0.5) == pytest.approx([2.0])

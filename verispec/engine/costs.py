@@ -20,6 +20,9 @@ from verispec.models.llama import Transformer
 # The widest k a cost model is profiled for when nobody asks for more. A request's k never sizes
 # a profile others would wait for: a larger k is priced by extending the measured curve.
 PROFILE_K = 8
+# Seconds of timed forwards per profiled shape at most (past its first): cheap shapes take every
+# repetition, and a slow host stops at what already shows a shape's cost.
+SHAPE_BUDGET_S = 0.5
 
 
 @dataclass
@@ -210,7 +213,8 @@ def profile_costs(target: Transformer, draft: Transformer | None, max_rows: int,
         cache = draft.new_cache(1, context)
         tokens = ((torch.arange(context, device=draft.device) * 7 + 3) % draft.args.vocab_size).unsqueeze(0)
         pos = torch.arange(context, device=draft.device).unsqueeze(0)
-        times = seconds_of(lambda: draft(tokens, pos, cache, last_only=True), draft.device, reps)
+        times = seconds_of(lambda: draft(tokens, pos, cache, last_only=True), draft.device, reps,
+                           budget_s=SHAPE_BUDGET_S)
         catch_up = max(0.0, min(times) - draft_pts[1]) / context  # beyond one one-row forward
         draft_context_s = _context_slope(draft, draft_grid, [(rows, 1), (1, 1)], context, long_context, reps)
     return CostModel(CostCurve(target_pts), CostCurve(draft_pts) if draft_pts else None, catch_up,
@@ -231,7 +235,8 @@ def _context_slope(model: Transformer, short: dict[tuple[int, int], float], shap
         tokens = ((torch.arange(m, device=device) * 7 + 3) % model.args.vocab_size).expand(b, -1).contiguous()
         pos = (long_context + torch.arange(m, device=device)).expand(b, -1)
         long[b, m] = min(seconds_of(
-            lambda tokens=tokens, pos=pos, b=b: model(tokens, pos, cache, rows=slice(0, b)), device, reps))
+            lambda tokens=tokens, pos=pos, b=b: model(tokens, pos, cache, rows=slice(0, b)), device, reps,
+            budget_s=SHAPE_BUDGET_S))
     return per_position_s(short, long, context, long_context)
 
 
@@ -250,7 +255,8 @@ def _time_grid(model: Transformer, batch_sizes: list[int], widths: range | tuple
             tokens = ((torch.arange(m, device=device) * 7 + 3) % model.args.vocab_size).expand(b, -1).contiguous()
             pos = (context + torch.arange(m, device=device)).expand(b, -1)
             times[b, m] = min(seconds_of(
-                lambda tokens=tokens, pos=pos, b=b: model(tokens, pos, cache, rows=slice(0, b)), device, reps))
+                lambda tokens=tokens, pos=pos, b=b: model(tokens, pos, cache, rows=slice(0, b)), device, reps,
+                budget_s=SHAPE_BUDGET_S))
     return times
 
 

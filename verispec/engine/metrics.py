@@ -24,16 +24,25 @@ def sync(device: torch.device | None = None) -> None:
         torch.cuda.synchronize(device)
 
 
-def seconds_of(run: Callable[[], object], device: torch.device, reps: int, warmup: int = 1) -> list[float]:
-    """Seconds of each of ``reps`` calls of ``run`` (GPU work included), after ``warmup`` untimed ones."""
-    times = []
-    for _ in range(warmup + reps):
+def seconds_of(run: Callable[[], object], device: torch.device, reps: int, warmup: int = 1,
+               budget_s: float | None = None) -> list[float]:
+    """Seconds of each of ``reps`` calls of ``run`` (GPU work included), after ``warmup`` untimed ones.
+
+    With ``budget_s``, timing stops early once the timed calls add up to that many seconds (one is
+    always timed): on a slow host a shape's first runs already say what it costs, and profiling at
+    full repetition would keep a server from ready for minutes.
+    """
+    times: list[float] = []
+    for i in range(warmup + reps):
         sync(device)
         t0 = time.perf_counter()
         run()
         sync(device)
         times.append(time.perf_counter() - t0)
+        if budget_s is not None and i >= warmup and sum(times[warmup:]) >= budget_s:
+            break
     return times[warmup:]
+
 
 def mean_accepted_length(steps: int, accepted: int) -> float:
     """Tokens per target forward over ``steps`` steps that accepted ``accepted`` drafts (0 without steps).
