@@ -262,7 +262,9 @@ def main() -> None:
         ap.error(f"--repeats >= 1; --modes from {', '.join(MODES)}; --once a subset of them, without plain")
     engine = Engine.from_pretrained(args.model, draft=args.draft if args.method != "ngram" else None,
                                     dtype=args.dtype, weights=args.weights, draft_weights=args.draft_weights,
-                                    device=args.device, max_len=args.max_len, progress=True)
+                                    device=args.device, max_len=args.max_len, progress=True, prefix_reuse=False)
+    # No prefix reuse (here or in ``engine``): every mode serves the same prompts, and reuse would spare the
+    # later modes their prefill.
     be = engine.with_config(max_batch=max(levels), max_len=args.max_len)
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=False)
     n = max(args.requests, 2 * max(levels))

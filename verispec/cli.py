@@ -224,7 +224,8 @@ def cmd_advise(args: argparse.Namespace) -> int:
 
         prompts = [p.text for p in jsonl(args.prompts, n=args.n)]
     _no_tp(args)
-    engine = Engine.from_pretrained(args.model, draft=args.draft, **_engine_kwargs(args))
+    # Plain decoding and each method run on the same prompts: no prefix reuse between them.
+    engine = Engine.from_pretrained(args.model, draft=args.draft, **_engine_kwargs(args), prefix_reuse=False)
     result = advise(engine, prompts, k_max=args.k_max, tokens=args.max_tokens, out=args.out)
     print(format_advice(result))
     print(f"\nwrote {args.out}/advise.json and {args.out}/advise.png")

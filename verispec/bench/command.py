@@ -124,9 +124,11 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     peer_errors = _check_peers(opts)  # a peer that cannot run is reported now, and the run goes on without it
 
+    # No prefix reuse: the methods run one after another on each prompt, and reuse would spare every
+    # method after the first its prefill.
     engine = Engine.from_pretrained(opts.model, draft=opts.draft, dtype=opts.dtype, weights=opts.weights,
                                     draft_weights=opts.draft_weights, max_len=opts.max_len, progress=opts.progress,
-                                    compile=opts.compile, kernels=opts.kernels)
+                                    compile=opts.compile, kernels=opts.kernels, prefix_reuse=False)
     rss_after_load = rss_bytes()
     for m in methods:  # build every drafter now: an unavailable method fails before hours of running
         engine.check_spec(m.spec)
