@@ -1,4 +1,6 @@
-"""The report split's datasets: a HumanEval range and the packaged chat-format coding requests."""
+"""The report split's datasets: a HumanEval range and the packaged chat-format coding and code-edit requests."""
+
+import re
 
 import pytest
 
@@ -10,6 +12,17 @@ def test_chat_code_ships_with_the_package_as_chat_prompts():
     prompts = datasets.load("chat_code")
     assert len(prompts) >= 10 and all(p.chat and p.category == "chat_code" for p in prompts)
     assert len({p.id for p in prompts}) == len(prompts) and all(p.text.strip() for p in prompts)
+
+
+def test_code_edit_ships_with_the_package_as_chat_prompts_quoting_a_function():
+    prompts = datasets.load("code_edit")
+    assert len(prompts) == 12 and all(p.chat and p.category == "code_edit" for p in prompts)
+    assert len({p.id for p in prompts}) == len(prompts)
+    for p in prompts:
+        ask, code = re.fullmatch(r"(.+)\n\n```python\n(.+)\n```", p.text, re.DOTALL).groups()
+        assert ask.strip() and 15 <= code.count("\n") + 1 <= 40, p.id
+        compile(code, p.id, "exec")  # the quoted code is valid Python
+    assert [p.id for p in datasets.load("code_edit,chat_code", n=2)][:2] == ["code_edit-01", "code_edit-02"]
 
 
 def test_humaneval_range_names_problems_inclusively():

@@ -84,11 +84,23 @@ def _spec_tuning(args: argparse.Namespace) -> dict:
 
 def _add_spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--method", default=None,
-                   help=f"none, draft, ngram, retrieval, layerskip or hybrid (default: {DEFAULT_SPEC.method} with a "
-                   "draft model, else none)")
+                   help=f"none, draft, ngram, retrieval, layerskip, hybrid or suffix (default: {DEFAULT_SPEC.method} "
+                   "with a draft model, else none)")
     _add_spec_tuning_args(p)
     p.add_argument("--datastore", help="retrieval/hybrid: a datastore built by `verispec datastore build`")
     p.add_argument("--layers", type=int, help="layerskip: how many of the target's layers draft (default: a quarter)")
+    d = DEFAULT_SPEC
+    p.add_argument("--lookup", default=None, choices=("ngram", "suffix"),
+                   help=f"hybrid: its context lookup, ngram (prompt lookup) or suffix (the suffix drafter, with the "
+                   f"--suffix-* options) (default {d.lookup})")
+    p.add_argument("--suffix-global", type=int, default=None, metavar="TOKENS",
+                   help=f"suffix: tokens of earlier requests' outputs the engine keeps to match against, least "
+                   f"recently used evicted first (default {d.suffix_global}; 0: the request's own tokens only)")
+    p.add_argument("--suffix-min-prob", type=float, default=None, metavar="P",
+                   help=f"suffix: stop a draft before its path's empirical probability falls below P "
+                   f"(default {d.suffix_min_prob})")
+    p.add_argument("--suffix-factor", type=float, default=None, metavar="F",
+                   help=f"suffix: draft at most F tokens per matched context token (default {d.suffix_factor})")
 
 
 def _spec_from(args: argparse.Namespace):
@@ -97,7 +109,8 @@ def _spec_from(args: argparse.Namespace):
 
     draft, _ = hub.resolve_draft(args.model, args.draft)
     return user_spec(args.method, draft is not None, **_spec_tuning(args), datastore=args.datastore,
-                     layers=args.layers)
+                     layers=args.layers, lookup=args.lookup, suffix_global=args.suffix_global,
+                     suffix_min_prob=args.suffix_min_prob, suffix_factor=args.suffix_factor)
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:

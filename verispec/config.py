@@ -13,7 +13,8 @@ from verispec.models.linear import WEIGHT_CHOICES
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
-METHODS = ("none", "draft", "ngram", "retrieval", "layerskip", "hybrid")
+METHODS = ("none", "draft", "ngram", "retrieval", "layerskip", "hybrid", "suffix")
+LOOKUPS = ("ngram", "suffix")  # the context lookups of hybrid
 K_POLICIES = ("fixed", "heuristic", "confidence", "cost")
 
 
@@ -122,6 +123,10 @@ def check_draft_window(n: object) -> None:
         raise VerispecError(f"draft window must be a positive number of tokens (got {n!r}); e.g. window=256")
 
 
+def _is_number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
 DEFAULT_CONFIDENCE = 0.3  # k_policy "confidence" without a threshold of its own
 
 
@@ -147,6 +152,15 @@ class SpecConfig:
     # draft/hybrid: the draft model reads only the first few and the last draft_window tokens of a longer
     # prompt (verispec.drafters.window): a cheaper first draft on long prompts. None (or 0): the whole prompt.
     draft_window: int | None = None
+    # hybrid: its context lookup, "ngram" (prompt lookup) or "suffix" (the suffix drafter, options below).
+    lookup: str = "ngram"
+    # suffix: tokens of earlier requests' outputs the engine's shared index holds (least recently used
+    # evicted first); specs naming the same budget share one index. 0: the request's own tokens only.
+    suffix_global: int = 65536
+    # suffix: a draft stops before its path's empirical probability (the product of each token's share of
+    # the occurrences agreeing so far) falls below this, and is at most suffix_factor tokens per matched one.
+    suffix_min_prob: float = 0.1
+    suffix_factor: float = 1.0
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -166,6 +180,20 @@ class SpecConfig:
             raise VerispecError("n-gram sizes must satisfy 1 <= ngram_min <= ngram_max")
         check_draft_vocab(self.draft_vocab)
         check_draft_window(self.draft_window)
+        self._check_suffix()
+
+    def _check_suffix(self) -> None:
+        if self.lookup not in LOOKUPS:
+            raise VerispecError(f"unknown hybrid lookup '{self.lookup}' (choose from {', '.join(LOOKUPS)})")
+        if isinstance(self.suffix_global, bool) or not isinstance(self.suffix_global, int) or \
+                not 0 <= self.suffix_global < 2**32:
+            raise VerispecError(f"suffix_global must be a number of tokens from 0 (off) to 2**32 - 1 "
+                                f"(got {self.suffix_global!r})")
+        if not _is_number(self.suffix_min_prob) or not 0.0 <= self.suffix_min_prob <= 1.0:
+            raise VerispecError(f"suffix_min_prob must be in [0, 1] (got {self.suffix_min_prob!r})")
+        if not _is_number(self.suffix_factor) or not 0.0 < self.suffix_factor <= 64:
+            raise VerispecError(f"suffix_factor must be in (0, 64] draft tokens per matched token "
+                                f"(got {self.suffix_factor!r})")
 
     @property
     def min_confidence(self) -> float:

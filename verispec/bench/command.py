@@ -410,7 +410,8 @@ def add_parser(sub: Any, add_engine_args: Callable[[argparse.ArgumentParser], No
                    f"{default_methods(True)} with a draft model, else {default_methods(False)}); options: "
                    + ", ".join(OPTIONS))
     b.add_argument("--dataset", default="spec_bench",
-                   help="spec_bench, humaneval or jsonl:PATH (comma-separated to combine)")
+                   help="spec_bench, humaneval, humaneval:A-B, chat_code, code_edit or jsonl:PATH "
+                   "(comma-separated to combine)")
     b.add_argument("--spec-bench", help="a Spec-Bench question.jsonl (default: $VERISPEC_SPEC_BENCH, else the "
                    "copy packaged with verispec)")
     b.add_argument("--per-category", type=int, help="Spec-Bench prompts sampled per category (default: all)")

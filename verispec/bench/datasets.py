@@ -31,6 +31,9 @@ class BenchPrompt:
 PACKAGED_SPEC_BENCH = Path(__file__).resolve().parent / "data" / "spec_bench.jsonl"
 # Coding requests written the way users ask an assistant (write a function, a class, a script): chat prompts.
 PACKAGED_CHAT_CODE = Path(__file__).resolve().parent / "data" / "chat_code.jsonl"
+# Requests to edit a Python function quoted in the prompt (rewrite, rename, add hints): chat prompts whose
+# answers copy much of their input.
+PACKAGED_CODE_EDIT = Path(__file__).resolve().parent / "data" / "code_edit.jsonl"
 
 
 def default_spec_bench() -> Path:
@@ -144,7 +147,7 @@ def load(names: str, spec_bench_path: Path | None = None, per_category: int | No
          seed: int = 0, turns: int = 1, field: str = "prompt", chat: bool = True,
          categories: list[str] | None = None) -> list[BenchPrompt]:
     """Prompts of comma-separated datasets: ``spec_bench``, ``humaneval`` (or ``humaneval:A-B``), ``chat_code``,
-    ``jsonl:PATH``.
+    ``code_edit``, ``jsonl:PATH``.
 
     ``per_category`` samples Spec-Bench and ``categories`` keeps only those of its categories (the
     same prompts a run of every category samples); ``n`` takes the first ``n`` HumanEval or JSONL prompts.
@@ -160,11 +163,13 @@ def load(names: str, spec_bench_path: Path | None = None, per_category: int | No
             prompts += humaneval(last - first + 1, first)
         elif name == "chat_code":
             prompts += jsonl(PACKAGED_CHAT_CODE, chat=True, n=n)
+        elif name == "code_edit":
+            prompts += jsonl(PACKAGED_CODE_EDIT, chat=True, n=n)
         elif name.startswith("jsonl:"):
             prompts += jsonl(Path(name[len("jsonl:"):]).expanduser(), field, chat, n)
         else:
-            raise VerispecError(f"unknown dataset '{name}' (choose spec_bench, humaneval, humaneval:A-B, chat_code "
-                                "or jsonl:PATH)")
+            raise VerispecError(f"unknown dataset '{name}' (choose spec_bench, humaneval, humaneval:A-B, chat_code, "
+                                "code_edit or jsonl:PATH)")
     if not prompts:
         raise VerispecError(f"no prompts in dataset '{names}'")
     return prompts

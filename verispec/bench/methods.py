@@ -3,7 +3,9 @@
 Examples: ``none``, ``draft``, ``draft:k=3``, ``draft:policy=cost``, ``layerskip:layers=7``,
 ``retrieval:datastore=store.vds``, ``ngram:k=8,max=5``, ``draft:vocab=32768`` (a reduced draft head),
 ``hybrid:window=256`` (the draft reads a long prompt's last 256 tokens), ``hybrid:vocab=0,window=0``
-(the full head and the whole prompt).
+(the full head and the whole prompt), ``suffix:global=0,min_prob=0.2`` (suffix decoding over the request
+alone, drafting only paths of probability 0.2 or more), ``hybrid:lookup=suffix`` (hybrid with the suffix
+drafter as its context lookup).
 An option a string leaves out takes the run's defaults: :data:`~verispec.config.DEFAULT_SPEC` (what
 ``verispec generate`` runs), as ``bench``'s -k, --k-policy, --confidence, --draft-vocab and
 --draft-window change it; so ``draft`` is the draft model under the default cost policy, and
@@ -39,6 +41,13 @@ OPTIONS: dict[str, tuple[str, type]] = {
     "draft_vocab": ("draft_vocab", int),
     "window": ("draft_window", int),
     "draft_window": ("draft_window", int),
+    "lookup": ("lookup", str),
+    "global": ("suffix_global", int),
+    "suffix_global": ("suffix_global", int),
+    "min_prob": ("suffix_min_prob", float),
+    "suffix_min_prob": ("suffix_min_prob", float),
+    "factor": ("suffix_factor", float),
+    "suffix_factor": ("suffix_factor", float),
 }
 
 

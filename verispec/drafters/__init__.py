@@ -10,6 +10,7 @@ from verispec.errors import VerispecError
 
 if TYPE_CHECKING:
     from verispec.drafters.datastore import Datastore
+    from verispec.drafters.suffix import SuffixDrafter
 
 __all__ = ["DraftContext", "Drafter", "Proposal", "make_drafter"]
 
@@ -43,6 +44,8 @@ def make_drafter(spec: SpecConfig, ctx: DraftContext) -> Drafter | None:
         return LayerSkipDrafter(ctx.target, ctx.target_cache, spec.layers, spec.min_confidence)
     if spec.method == "hybrid":
         return _make_hybrid(spec, ctx)
+    if spec.method == "suffix":
+        return _make_suffix(spec, ctx)
     raise VerispecError(f"method '{spec.method}' is not available yet")
 
 
@@ -70,8 +73,18 @@ def _open_datastore(spec: SpecConfig, ctx: DraftContext) -> Datastore:
     return Datastore.open(spec.datastore, ctx.tokenizer, ctx.target.args.vocab_size)
 
 
+def _make_suffix(spec: SpecConfig, ctx: DraftContext) -> SuffixDrafter:
+    """A suffix drafter over its request and, unless ``spec.suffix_global`` is 0, the engine's shared index
+    of earlier outputs (one per budget, kept in ``ctx.shared``)."""
+    from verispec.drafters.suffix import OutputIndex, SuffixDrafter
+
+    outputs = OutputIndex.shared(ctx.shared, spec.suffix_global) if spec.suffix_global else None
+    return SuffixDrafter(outputs, spec.suffix_min_prob, spec.suffix_factor)
+
+
 def _make_hybrid(spec: SpecConfig, ctx: DraftContext) -> Drafter:
-    """N-gram (plus the datastore, if given) when the match is long, else the engine's draft model.
+    """The context lookup (n-gram or suffix; plus the datastore, if given) when the match is long, else the
+    engine's draft model.
 
     Without a draft model, steps without a trusted match decode plainly (lookup only). Layer-skip
     is no fallback: early exits of models not trained for them are rarely accepted (see
@@ -85,4 +98,5 @@ def _make_hybrid(spec: SpecConfig, ctx: DraftContext) -> Drafter:
         raise VerispecError("hybrid falls back to a draft model (--draft), not to layer-skip; "
                             "use --method layerskip for early-exit drafts")
     retrieval = RetrievalDrafter(_open_datastore(spec, ctx)) if spec.datastore else None
-    return HybridDrafter(NgramDrafter(spec.ngram_max, spec.ngram_min), retrieval)
+    lookup = _make_suffix(spec, ctx) if spec.lookup == "suffix" else NgramDrafter(spec.ngram_max, spec.ngram_min)
+    return HybridDrafter(lookup, retrieval)

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from collections.abc import Hashable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -29,6 +30,9 @@ class DraftContext:
     eos_ids: frozenset[int]
     cache_len: int  # positions a drafter's own KV cache holds
     compiled: bool  # the forwards are compiled: they take no head argument (no reduced draft vocabulary)
+    # State the drafters of one engine share, by key (the suffix drafter's index of earlier outputs). The
+    # engine passes one dict to every context it builds, so nothing is shared across engines.
+    shared: dict[Hashable, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -68,6 +72,12 @@ class Drafter(ABC):
 
     def commit(self, n_valid: int) -> None:  # noqa: B027 (optional hook)
         """The first ``n_valid`` tokens of the sequence are final; anything past them is not."""
+
+    def end(self, seq: list[int]) -> None:  # noqa: B027 (optional hook)
+        """The request ended with ``seq`` (its prompt and every token generated) final.
+
+        Called once per completed request, after its last :meth:`commit`; not for a request that failed.
+        """
 
     def free_tokens(self, seq: list[int], k: int, params: SamplingParams, generator: torch.Generator | None) -> int:
         """How many tokens (at most ``k``) this drafter would propose here at no draft cost and trusts.

@@ -1,5 +1,8 @@
 """Hybrid drafting: copy when the context (or the datastore) has seen this before, else ask the draft model.
 
+The context lookup is the n-gram drafter (prompt lookup) or, with ``lookup="suffix"``, the suffix
+drafter (the longest match in the request and in earlier outputs, drafted as far as it is confident).
+
 Lookup drafters are nearly free and, when their match is long, very accurate (code that repeats
 identifiers, edits that quote their input); a model draft costs forwards but works everywhere.
 Each step the hybrid takes the lookup proposal with the longest match if that match is at least
@@ -18,43 +21,45 @@ import torch
 from verispec.drafters.base import Drafter, Proposal
 from verispec.drafters.ngram import NgramDrafter
 from verispec.drafters.retrieval import RetrievalDrafter
+from verispec.drafters.suffix import SuffixDrafter
 from verispec.sampling import SamplingParams
 
 DEFAULT_MIN_MATCH = 3
 
 
 class HybridDrafter(Drafter):
-    """The lookups of hybrid drafting: the n-gram drafter and, if given, the retrieval drafter.
+    """The lookups of hybrid drafting: a context lookup (n-gram or suffix) and, if given, the retrieval drafter.
 
-    Every sub-drafter sees every :meth:`begin` and :meth:`commit`, drafted or not. ``counts``
-    tallies which source drafted each step ("ngram", "retrieval"; the engine adds "draft" for the
-    steps its draft model drafted).
+    A lookup reports its match length in ``last_match`` and the longest it looks for in ``max_n``.
+    Every sub-drafter sees every :meth:`begin`, :meth:`commit` and :meth:`end`, drafted or not.
+    ``counts`` tallies which source drafted each step, by its name ("ngram" or "suffix",
+    "retrieval"; the engine adds "draft" for the steps its draft model drafted).
     """
 
     name = "hybrid"
 
-    def __init__(self, ngram: NgramDrafter, retrieval: RetrievalDrafter | None = None,
+    def __init__(self, lookup: NgramDrafter | SuffixDrafter, retrieval: RetrievalDrafter | None = None,
                  min_match: int = DEFAULT_MIN_MATCH) -> None:
-        self.ngram, self.retrieval = ngram, retrieval
+        self.lookup, self.retrieval = lookup, retrieval
         self.min_match = min_match
         self.counts: Counter[str] = Counter()
-        self._lookup: tuple[int, Proposal | None] | None = None  # (len(seq), lookup) from free_tokens
+        self._offered: tuple[int, Proposal | None] | None = None  # (len(seq), lookup) from free_tokens
 
     def free_tokens(self, seq: list[int], k: int, params: SamplingParams, generator: torch.Generator | None) -> int:
         proposal = self._best_lookup(seq, k, params, generator)
-        self._lookup = (len(seq), proposal)
+        self._offered = (len(seq), proposal)
         return 0 if proposal is None else len(proposal.tokens)
 
     def _subs(self) -> list[Drafter]:
-        return [d for d in (self.ngram, self.retrieval) if d is not None]
+        return [d for d in (self.lookup, self.retrieval) if d is not None]
 
     def begin(self, prompt: list[int]) -> None:
-        self._lookup = None
+        self._offered = None
         for d in self._subs():
             d.begin(prompt)
 
     def propose(self, seq: list[int], k: int, params: SamplingParams, generator: torch.Generator | None) -> Proposal:
-        cached, self._lookup = self._lookup, None
+        cached, self._offered = self._offered, None
         lookup = cached[1] if cached is not None and cached[0] == len(seq) else \
             self._best_lookup(seq, k, params, generator)
         if lookup is not None:
@@ -66,16 +71,16 @@ class HybridDrafter(Drafter):
                      generator: torch.Generator | None) -> Proposal | None:
         """The lookup proposal with the longest trusted match (counted as drafting this step), or None."""
         best: tuple[int, str, Proposal] | None = None
-        # The n-gram match cannot exceed its max_n, so hold it to at most that.
-        lookups = [("ngram", self.ngram, min(self.min_match, self.ngram.max_n))]
+        # The context's match cannot exceed its lookup's max_n, so hold it to at most that.
+        lookups: list[tuple[Drafter, int]] = [(self.lookup, min(self.min_match, self.lookup.max_n))]
         if self.retrieval is not None:
-            lookups.append(("retrieval", self.retrieval, self.min_match))
-        for name, drafter, threshold in lookups:
+            lookups.append((self.retrieval, self.min_match))
+        for drafter, threshold in lookups:
             proposal = drafter.propose(seq, k, params, generator)
             match = drafter.last_match
-            # Strictly longer wins, so the context's own n-gram beats the datastore on a tie.
+            # Strictly longer wins, so the context's own lookup beats the datastore on a tie.
             if match >= threshold and len(proposal.tokens) >= min(2, k) and (best is None or match > best[0]):
-                best = (match, name, proposal)
+                best = (match, drafter.name, proposal)
         if best is None:
             return None
         self.counts[best[1]] += 1
@@ -84,3 +89,7 @@ class HybridDrafter(Drafter):
     def commit(self, n_valid: int) -> None:
         for d in self._subs():
             d.commit(n_valid)
+
+    def end(self, seq: list[int]) -> None:
+        for d in self._subs():
+            d.end(seq)

@@ -19,21 +19,29 @@ from verispec.sampling import SamplingParams
 __all__ = ["BuildSummary", "Datastore", "RetrievalDrafter", "build_datastore", "most_frequent_continuation"]
 
 
-def most_frequent_continuation(continuations: np.ndarray, k: int) -> list[int]:
+def most_frequent_continuation(continuations: np.ndarray, k: int, min_prob: float = 0.0) -> list[int]:
     """Greedy most-frequent path through ``continuations`` ``[N, >= k]`` (negative ids end a row).
 
     The first token is the most frequent first token; the second the most frequent among rows
     that start with it; and so on. Ties go to the smallest id, so the result is deterministic.
+    With ``min_prob`` the path stops before the token that would bring its empirical probability
+    below it: the product, over its tokens, of each token's share of the rows that agree so far
+    and go on.
     """
     out: list[int] = []
     alive = np.ones(len(continuations), dtype=bool)
+    prob = 1.0
     for j in range(min(k, continuations.shape[1] if continuations.ndim == 2 else 0)):
         col = continuations[alive, j]
         col = col[col >= 0]
         if len(col) == 0:
             break
         values, counts = np.unique(col, return_counts=True)
-        tok = int(values[np.argmax(counts)])  # argmax takes the first maximum: the smallest id
+        best = int(np.argmax(counts))  # argmax takes the first maximum: the smallest id
+        prob *= int(counts[best]) / len(col)
+        if prob < min_prob:
+            break
+        tok = int(values[best])
         out.append(tok)
         alive &= continuations[:, j] == tok
     return out

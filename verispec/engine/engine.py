@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import replace
 from functools import partial
 from typing import Any
@@ -158,6 +158,7 @@ class Engine:
         self.policy: CostPolicy | None = None if costs is None else CostPolicy(costs)
         self.stats = EngineStats()
         self.answer_lengths = AnswerLengths()  # how long answers run: the cost policy's horizon
+        self._shared: dict[Hashable, Any] = {}  # what this engine's drafters share (DraftContext.shared)
         self._drafters = _DrafterPool(self.draft_context)
         self._running: dict[int, Request] = {}  # slot -> request, in admission order
         self._by_handle: dict[RequestHandle, Request] = {}  # every request not finished yet
@@ -316,7 +317,7 @@ class Engine:
     def draft_context(self) -> DraftContext:
         """What per-row drafters for this engine are built from (its models, cache and tokenizer)."""
         return DraftContext(self.target, self.cache, self.draft, self.tokenizer, frozenset(self.eos_ids),
-                            self.max_len + SLACK, self.config.compile)
+                            self.max_len + SLACK, self.config.compile, self._shared)
 
     def drafter(self, spec: SpecConfig) -> Drafter | None:
         """A new per-row drafter for ``spec`` (None for plain decoding and for method ``draft``, whose
@@ -755,10 +756,17 @@ class Engine:
                 self.cache.reset(slot)
             if self.draft_runner is not None and (req.row.model_draft or error is not None):
                 self.draft_runner.release(slot, req.row.seq if self.prefix_reuse and error is None else None)
-            # A drafter goes back to the pool unless it was the caller's own, or its request failed (it may
-            # be what failed).
-            if req.row.drafter is not None and req.drafter is None and error is None:
-                self._drafters.release(req.spec, req.row.drafter)
+            # A drafter goes back to the pool unless it was the caller's own, or its request (or its end hook)
+            # failed: it may be what failed.
+            drafter = req.row.drafter
+            if drafter is not None and error is None:
+                try:
+                    drafter.end(req.row.seq)
+                except Exception:  # noqa: BLE001 (the answer is complete; only this drafter is suspect)
+                    logger.warning("drafter %s failed to end request %d", drafter.name, req.handle.id, exc_info=True)
+                    drafter = None
+            if drafter is not None and req.drafter is None and error is None:
+                self._drafters.release(req.spec, drafter)
         m = req.metrics
         m.generated_tokens = len(req.out)
         m.total_s = time.perf_counter() - (req.handle.admitted_at or req.handle.submitted_at)
