@@ -57,28 +57,97 @@ class SamplingParams:
         return g
 
 
+# Candidates the top-p cut is first looked for among: a row's nucleus is mostly far smaller, and on one
+# core the top 256 of a 152k-token row take about 0.3 ms where sorting it takes over 10.
+TOP_P_CANDIDATES = 256
+
+
 def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Turn logits ``[..., V]`` into the sampling distribution (fp32) under ``params``.
 
     Greedy maps to a one-hot distribution on the argmax, so greedy and sampled decoding can
-    share the verification code.
+    share the verification code. Otherwise the logits are divided by the temperature, cut to the
+    ``top_k`` largest (every token tied with the k-th stays), softmaxed, and cut to the nucleus of
+    ``top_p``: the smallest set of most likely tokens whose mass reaches ``top_p`` (the most likely
+    token always stays), renormalized.
+
+    The nucleus is the prefix of the row sorted by descending probability, ties broken by token id
+    (lower first): exactly what a full stable sort gives, without sorting the vocabulary (see
+    :func:`_top_p`). Only a tie straddling the cut makes the tie rule matter.
     """
-    logits = logits.float()
     if params.greedy:
-        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-    logits = logits / params.temperature
+        return torch.zeros(logits.shape, dtype=torch.float32, device=logits.device).scatter_(
+            -1, logits.argmax(-1, keepdim=True), 1.0)
+    logits = logits.float() / params.temperature
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     if params.top_p < 1.0:
-        sorted_p, order = probs.sort(dim=-1, descending=True)
-        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-        drop = (sorted_p.cumsum(-1) - sorted_p) >= params.top_p
-        sorted_p = sorted_p.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
-        probs = probs / probs.sum(-1, keepdim=True)
+        probs = _top_p(probs, params.top_p)
     return probs
+
+
+def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Zero every row of ``probs`` ``[..., V]`` outside its nucleus and renormalize.
+
+    Token i of the sorted row is dropped when the mass before it reaches ``top_p``. That mass only
+    grows along the row, so once a candidate is dropped every token after it is too: when the
+    last of a row's :data:`TOP_P_CANDIDATES` most likely tokens is dropped (or is 0, and so is every
+    token outside), the nucleus lies inside them and their cumulative sums give it: the same numbers
+    as a full sort's, since the CPU's cumsum is a sequential scan, whose prefix does not depend on what
+    follows. The other rows, and those whose cut falls inside a run of equal probabilities
+    (the tie rule then decides which of them stay), go through :func:`_nucleus`. The result equals
+    the full-sort rule bit for bit, renormalization included.
+    """
+    rows = probs.reshape(-1, probs.shape[-1])
+    vocab = rows.shape[-1]
+    vals, ids = rows.topk(min(TOP_P_CANDIDATES, vocab), dim=-1)
+    drop = (vals.cumsum(-1) - vals) >= top_p
+    out = torch.zeros_like(rows).scatter_(-1, ids, vals.masked_fill(drop, 0.0))
+    # Rows to look at closer: the cut falls between two equal candidates, or past the last one
+    # (unless that one is 0, and so is every token outside).
+    tied = ((drop[:, 1:] > drop[:, :-1]) & (vals[:, 1:] == vals[:, :-1])).any(-1)
+    beyond = ~drop[:, -1] & (vals[:, -1] > 0) if vocab > vals.shape[-1] else torch.zeros_like(tied)
+    for r in (tied | beyond).nonzero()[:, 0].tolist():
+        # Tied: the candidates are every token at least as likely as the cut (the smallest kept one).
+        threshold = _mass_threshold(rows[r], top_p) if beyond[r] else float(vals[r, int((~drop[r]).sum()) - 1])
+        out[r] = _nucleus(rows[r], top_p, threshold)
+    out = out.view(probs.shape)
+    return out / out.sum(-1, keepdim=True)
+
+
+def _nucleus(p: torch.Tensor, top_p: float, threshold: float) -> torch.Tensor:
+    """The kept probabilities of the 1-D row ``p`` in place (0 elsewhere), from the tokens ``p >= threshold``.
+
+    Those candidates are the head of the row sorted by descending probability whatever the ties, and
+    sorting them stably in token order breaks ties by id. If the cut lies beyond them, the whole row.
+    """
+    ids = (p >= threshold).nonzero()[:, 0] if threshold > 0 else torch.arange(len(p), device=p.device)
+    vals, order = p[ids].sort(descending=True, stable=True)
+    drop = (vals.cumsum(-1) - vals) >= top_p
+    if threshold > 0 and len(ids) < len(p) and not drop[-1]:
+        return _nucleus(p, top_p, 0.0)
+    return torch.zeros_like(p).index_put_((ids[order],), vals.masked_fill(drop, 0.0))
+
+
+def _mass_threshold(p: torch.Tensor, top_p: float) -> float:
+    """A probability below which the 1-D row ``p`` likely holds none of its nucleus, from one pass over ``p``.
+
+    The row's mass is binned by the float's exponent and top three mantissa bits (bins ordered like the
+    values, each spanning a factor 1.125); the threshold is the lower edge of the first non-empty bin
+    below the one where the mass from the top reaches ``top_p``, so the candidates hold one token past
+    the cut. :func:`_nucleus` checks it.
+    """
+    bins = (p.view(torch.int32) >> 20).clamp_(min=0)
+    mass = torch.bincount(bins, weights=p)
+    reached = (mass.flip(0).cumsum(0).flip(0) >= top_p).nonzero()
+    if len(reached) == 0:
+        return 0.0
+    below = (mass[: int(reached[-1])] > 0).nonzero()
+    if len(below) == 0:
+        return 0.0
+    return float(torch.tensor(int(below[-1]) << 20, dtype=torch.int32).view(torch.float32))
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
