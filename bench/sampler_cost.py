@@ -6,7 +6,8 @@ of three shapes, each row's logits ``-s * ln(rank)`` over a random permutation o
 plus a little noise: ``peaked`` (s = 1.6: a handful of tokens hold the nucleus), ``medium``
 (s = 1.2: hundreds) and ``flat`` (s = 0.9: thousands, past the first candidates). The two
 alternate call by call; the median of ``--reps`` is reported in ms per call, with the mean
-nucleus size. Usage:
+nucleus size. A second table times one draw from such a distribution: ``torch.multinomial`` (one
+exponential per token) against :func:`verispec.sampling.sample`. Usage:
 
     python bench/sampler_cost.py [--vocab 151936] [--rows 1,6] [--temperature 0.8]
                                  [--top-p 1.0,0.9,0.95] [--shapes peaked,medium,flat] [--reps 21] [--threads 1]
@@ -23,7 +24,7 @@ from functools import partial
 import torch
 
 from verispec.bench.hardware import machine
-from verispec.sampling import SamplingParams, probs_from_logits
+from verispec.sampling import SamplingParams, probs_from_logits, sample
 
 SLOPES = {"peaked": 1.6, "medium": 1.2, "flat": 0.9}
 
@@ -89,6 +90,15 @@ def main() -> None:
                                             partial(probs_from_logits, logits, params)], args.reps)
                 print(f"{shape:>7} {rows:>4} {top_p:>5} {nucleus:>8.0f} {old_ms:>12.2f} {new_ms:>11.2f} "
                       f"{old_ms / new_ms:>5.1f}x")
+    print(f"\none draw from a row\n{'shape':>7} {'top_p':>5} {'multinomial ms':>14} {'sample ms':>9} {'ratio':>6}")
+    g = torch.Generator().manual_seed(args.seed)
+    for shape in args.shapes.split(","):
+        logits = synthetic_logits(1, args.vocab, SLOPES[shape], args.seed)[0]
+        for top_p in (float(p) for p in args.top_p.split(",")):
+            probs = probs_from_logits(logits, SamplingParams(temperature=args.temperature, top_p=top_p))
+            old_ms, new_ms = median_ms([partial(torch.multinomial, probs, 1, generator=g),
+                                        partial(sample, probs, g)], args.reps)
+            print(f"{shape:>7} {top_p:>5} {old_ms:>14.2f} {new_ms:>9.2f} {old_ms / new_ms:>5.1f}x")
 
 
 if __name__ == "__main__":
