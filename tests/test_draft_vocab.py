@@ -18,8 +18,8 @@ from tiny import make_tiny
 
 from verispec import SamplingParams, SpecConfig, VerispecError
 from verispec.bench.methods import parse_method
-from verispec.drafters import make_drafter
 from verispec.config import DEFAULT_SPEC
+from verispec.drafters import make_drafter
 from verispec.drafters.vocab import DraftVocab, linear_rows, prefix_linear, special_token_ids
 from verispec.engine.draft_runner import DraftRow, DraftRunner
 from verispec.kernels import use_fast

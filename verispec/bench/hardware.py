@@ -10,7 +10,6 @@ from typing import Any
 import torch
 from torch import nn
 
-
 # AMD families and model ranges -> core generation (family 25 holds Zen 3 and Zen 4; family 26 is Zen 5).
 _AMD_CORES = ((25, range(0x10, 0x20), "Zen 4"), (25, range(0x60, 0x80), "Zen 4"), (25, range(0xA0, 0xB0), "Zen 4"),
               (25, range(0x00, 0x100), "Zen 3"), (26, range(0x00, 0x100), "Zen 5"), (23, range(0x00, 0x100), "Zen 2"))
