@@ -160,13 +160,17 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     Inverse transform sampling in two stages, each with a float64 uniform against float64 running
     sums: a block of :data:`SAMPLE_BLOCK` consecutive ids by its mass, then an id within the block.
     So P(id) = probs[id] / probs.sum() to float64 rounding, for one pass over the vocabulary and two
-    uniforms (``torch.multinomial`` draws one exponential per token: 30 times slower at 152k tokens).
+    uniforms (``torch.multinomial`` draws one exponential per token: 30 times slower at 152k tokens
+    on the CPU). On other devices ``torch.multinomial`` is one kernel and a draw here several host
+    syncs, so they keep it.
     """
+    if probs.device.type != "cpu":
+        return int(torch.multinomial(probs, 1, generator=generator))
     n = len(probs)
     blocks = probs.new_zeros(-(-n // SAMPLE_BLOCK) * SAMPLE_BLOCK)
     blocks[:n] = probs
     blocks = blocks.view(-1, SAMPLE_BLOCK)
-    u = torch.rand(2, dtype=torch.float64, generator=generator, device=probs.device).tolist()
+    u = torch.rand(2, dtype=torch.float64, generator=generator).tolist()
     b = _inverse_cdf(blocks.sum(-1, dtype=torch.float64), u[0])
     return b * SAMPLE_BLOCK + _inverse_cdf(blocks[b].double(), u[1])
 
@@ -177,6 +181,6 @@ def _inverse_cdf(weights: torch.Tensor, u: float) -> int:
     total = float(cdf[-1])
     if not 0 < total < float("inf"):
         raise ValueError(f"cannot sample from weights summing to {total}")
-    i = int(torch.searchsorted(cdf, torch.tensor([u * total], dtype=cdf.dtype, device=cdf.device), right=True))
+    i = int(torch.searchsorted(cdf, torch.tensor([u * total], dtype=cdf.dtype), right=True))
     # u * total can round up to total itself: then the last index with weight.
     return i if i < len(cdf) else int(weights.nonzero()[-1])
