@@ -1,4 +1,4 @@
-"""sample draws an id with probability proportional to its weight, in two stages (block, then id)."""
+"""sample draws an id with probability proportional to its weight (inverse transform on the CPU)."""
 
 from __future__ import annotations
 
@@ -7,14 +7,16 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from verispec.sampling import SAMPLE_BLOCK, sample
+from verispec.sampling import sample
+
+BLOCK = 256  # any width: the supports below lie at and across its multiples
 
 
-def test_draws_follow_the_weights_across_blocks():
-    # Unnormalized weights over three blocks, the last one partial, with zeros inside and at the end.
+def test_draws_follow_the_weights():
+    # Unnormalized weights with zeros between them and at the end.
     g = torch.Generator().manual_seed(0)
-    weights = torch.zeros(2 * SAMPLE_BLOCK + 40)
-    support = [0, 5, SAMPLE_BLOCK - 1, SAMPLE_BLOCK, 300, 2 * SAMPLE_BLOCK + 1, 2 * SAMPLE_BLOCK + 30]
+    weights = torch.zeros(2 * BLOCK + 40)
+    support = [0, 5, BLOCK - 1, BLOCK, 300, 2 * BLOCK + 1, 2 * BLOCK + 30]
     weights[support] = torch.tensor([3.0, 0.5, 1.0, 2.0, 0.25, 1.5, 4.0])
     counts = np.zeros(len(weights))
     for _ in range(20000):
@@ -25,9 +27,9 @@ def test_draws_follow_the_weights_across_blocks():
 
 
 def test_the_extreme_uniforms_land_on_the_first_and_last_ids_with_weight(monkeypatch):
-    weights = torch.zeros(3 * SAMPLE_BLOCK + 7)
-    weights[[2, 100, 2 * SAMPLE_BLOCK + 3]] = torch.tensor([0.2, 0.5, 0.3])
-    for u, expected in ((0.0, 2), (1 - 2**-53, 2 * SAMPLE_BLOCK + 3)):
+    weights = torch.zeros(3 * BLOCK + 7)
+    weights[[2, 100, 2 * BLOCK + 3]] = torch.tensor([0.2, 0.5, 0.3])
+    for u, expected in ((0.0, 2), (1 - 2**-53, 2 * BLOCK + 3)):
         monkeypatch.setattr(torch, "rand", lambda n, *a, u=u, **kw: torch.full((n,), u, dtype=torch.float64))
         assert sample(weights, None) == expected
 

@@ -57,9 +57,11 @@ class SamplingParams:
         return g
 
 
-# Candidates the top-p cut is first looked for among: a row's nucleus is mostly far smaller, and on one
-# core the top 256 of a 152k-token row take about 0.3 ms where sorting it takes over 10.
+# Candidates the top-p cut is first looked for among, and the factor they grow by where the nucleus is
+# larger: a row's nucleus is mostly far smaller, and on one core the top 256 of a 152k-token row take
+# about 0.3 ms where sorting it takes over 10.
 TOP_P_CANDIDATES = 256
+TOP_P_GROWTH = 16
 
 
 def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -71,9 +73,9 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
     ``top_p``: the smallest set of most likely tokens whose mass reaches ``top_p`` (the most likely
     token always stays), renormalized.
 
-    The nucleus is the prefix of the row sorted by descending probability, ties broken by token id
-    (lower first): exactly what a full stable sort gives, without sorting the vocabulary (see
-    :func:`_top_p`). Only a tie straddling the cut makes the tie rule matter.
+    The nucleus is found among the row's most likely tokens without sorting the vocabulary (see
+    :func:`_top_p`). Which of several equally likely tokens at the cut stay is up to ``torch.topk``:
+    deterministic, and the same rule for target and draft, which is all exactness needs.
     """
     if params.greedy:
         return torch.zeros(logits.shape, dtype=torch.float32, device=logits.device).scatter_(
@@ -91,96 +93,41 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
 def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     """Zero every row of ``probs`` ``[..., V]`` outside its nucleus and renormalize.
 
-    Token i of the sorted row is dropped when the mass before it reaches ``top_p``. That mass only
-    grows along the row, so once a candidate is dropped every token after it is too: when the
-    last of a row's :data:`TOP_P_CANDIDATES` most likely tokens is dropped (or is 0, and so is every
-    token outside), the nucleus lies inside them and their cumulative sums give it: the same numbers
-    as a full sort's, since the CPU's cumsum is a sequential scan, whose prefix does not depend on what
-    follows. The other rows, and those whose cut falls inside a run of equal probabilities
-    (the tie rule then decides which of them stay), go through :func:`_nucleus`. The result equals
-    the full-sort rule bit for bit, renormalization included.
+    A row's C most likely tokens, in descending order, give the cut: token i is dropped once the
+    mass before it reaches ``top_p``, and that mass only grows along the row, so once the last
+    candidate is dropped (or is 0, as is everything outside) the nucleus lies inside them. Rows
+    where it does not are tried again with ``TOP_P_GROWTH`` times the candidates, up to the whole row.
     """
     rows = probs.reshape(-1, probs.shape[-1])
     vocab = rows.shape[-1]
-    vals, ids = rows.topk(min(TOP_P_CANDIDATES, vocab), dim=-1)
-    drop = (vals.cumsum(-1) - vals) >= top_p
-    out = torch.zeros_like(rows).scatter_(-1, ids, vals.masked_fill(drop, 0.0))
-    # Rows to look at closer: the cut falls between two equal candidates, or past the last one
-    # (unless that one is 0, and so is every token outside).
-    tied = ((drop[:, 1:] > drop[:, :-1]) & (vals[:, 1:] == vals[:, :-1])).any(-1)
-    beyond = ~drop[:, -1] & (vals[:, -1] > 0) if vocab > vals.shape[-1] else torch.zeros_like(tied)
-    for r in (tied | beyond).nonzero()[:, 0].tolist():
-        # Tied: the candidates are every token at least as likely as the cut (the smallest kept one).
-        threshold = _mass_threshold(rows[r], top_p) if beyond[r] else float(vals[r, int((~drop[r]).sum()) - 1])
-        out[r] = _nucleus(rows[r], top_p, threshold)
+    out = torch.zeros_like(rows)
+    todo = torch.arange(len(rows), device=rows.device)
+    c = min(TOP_P_CANDIDATES, vocab)
+    while len(todo):
+        vals, ids = rows[todo].topk(c, dim=-1)
+        drop = (vals.cumsum(-1) - vals) >= top_p
+        settled = drop[:, -1] | (vals[:, -1] == 0) if c < vocab else torch.ones_like(drop[:, -1])
+        done = todo[settled]
+        out[done] = out[done].scatter_(-1, ids[settled], vals[settled].masked_fill(drop[settled], 0.0))
+        todo, c = todo[~settled], min(c * TOP_P_GROWTH, vocab)
     out = out.view(probs.shape)
     return out / out.sum(-1, keepdim=True)
-
-
-def _nucleus(p: torch.Tensor, top_p: float, threshold: float) -> torch.Tensor:
-    """The kept probabilities of the 1-D row ``p`` in place (0 elsewhere), from the tokens ``p >= threshold``.
-
-    Those candidates are the head of the row sorted by descending probability whatever the ties, and
-    sorting them stably in token order breaks ties by id. If the cut lies beyond them, the whole row.
-    """
-    ids = (p >= threshold).nonzero()[:, 0] if threshold > 0 else torch.arange(len(p), device=p.device)
-    vals, order = p[ids].sort(descending=True, stable=True)
-    drop = (vals.cumsum(-1) - vals) >= top_p
-    if threshold > 0 and len(ids) < len(p) and not drop[-1]:
-        return _nucleus(p, top_p, 0.0)
-    return torch.zeros_like(p).index_put_((ids[order],), vals.masked_fill(drop, 0.0))
-
-
-def _mass_threshold(p: torch.Tensor, top_p: float) -> float:
-    """A probability below which the 1-D row ``p`` likely holds none of its nucleus, from one pass over ``p``.
-
-    The row's mass is binned by the float's exponent and top three mantissa bits (bins ordered like the
-    values, each spanning a factor 1.125); the threshold is the lower edge of the first non-empty bin
-    below the one where the mass from the top reaches ``top_p``, so the candidates hold one token past
-    the cut. :func:`_nucleus` checks it.
-    """
-    bins = (p.view(torch.int32) >> 20).clamp_(min=0)
-    mass = torch.bincount(bins, weights=p)
-    reached = (mass.flip(0).cumsum(0).flip(0) >= top_p).nonzero()
-    if len(reached) == 0:
-        return 0.0
-    below = (mass[: int(reached[-1])] > 0).nonzero()
-    if len(below) == 0:
-        return 0.0
-    return float(torch.tensor(int(below[-1]) << 20, dtype=torch.int32).view(torch.float32))
-
-
-# Token ids per block of the two-stage draw in :func:`sample`.
-SAMPLE_BLOCK = 256
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     """Draw one token id from a 1-D distribution (weights need not sum to 1; a weight of 0 is never drawn).
 
-    Inverse transform sampling in two stages, each with a float64 uniform against float64 running
-    sums: a block of :data:`SAMPLE_BLOCK` consecutive ids by its mass, then an id within the block.
-    So P(id) = probs[id] / probs.sum() to float64 rounding, for one pass over the vocabulary and two
-    uniforms (``torch.multinomial`` draws one exponential per token: 30 times slower at 152k tokens
-    on the CPU). On other devices ``torch.multinomial`` is one kernel and a draw here several host
-    syncs, so they keep it.
+    On the CPU by inverse transform: one float64 uniform against the float64 running sum of the
+    weights (``torch.multinomial`` draws one exponential per token there, some ten times slower at
+    152k tokens). Other devices keep ``torch.multinomial``, one kernel without a host sync.
     """
     if probs.device.type != "cpu":
         return int(torch.multinomial(probs, 1, generator=generator))
-    n = len(probs)
-    blocks = probs.new_zeros(-(-n // SAMPLE_BLOCK) * SAMPLE_BLOCK)
-    blocks[:n] = probs
-    blocks = blocks.view(-1, SAMPLE_BLOCK)
-    u = torch.rand(2, dtype=torch.float64, generator=generator).tolist()
-    b = _inverse_cdf(blocks.sum(-1, dtype=torch.float64), u[0])
-    return b * SAMPLE_BLOCK + _inverse_cdf(blocks[b].double(), u[1])
-
-
-def _inverse_cdf(weights: torch.Tensor, u: float) -> int:
-    """The first index whose running sum of ``weights`` exceeds ``u`` times their total (u in [0, 1))."""
-    cdf = weights.cumsum(0)
+    cdf = probs.double().cumsum(0)
     total = float(cdf[-1])
     if not 0 < total < float("inf"):
         raise ValueError(f"cannot sample from weights summing to {total}")
-    i = int(torch.searchsorted(cdf, torch.tensor([u * total], dtype=cdf.dtype), right=True))
-    # u * total can round up to total itself: then the last index with weight.
-    return i if i < len(cdf) else int(weights.nonzero()[-1])
+    u = torch.rand(1, dtype=torch.float64, generator=generator) * total
+    i = int(torch.searchsorted(cdf, u, right=True))
+    # u can round up to the total itself: then the last id with weight.
+    return i if i < len(cdf) else int(probs.nonzero()[-1])
