@@ -319,6 +319,12 @@ SECTIONS: list[tuple[str, str, str, Any]] = [
      "3 and 5, on prompts no default was tuned on: Spec-Bench sampled with seed 1, HumanEval problems 100-119 and "
      "the packaged chat-formatted coding requests (`chat_code`). The defaults were chosen on Spec-Bench seed 0 "
      "and HumanEval 0-19 (the sections below).", bench_section),
+    ("code_edit", "Code edits: lookups that copy the prompt",
+     "The int4 pair on the packaged `code_edit` requests (rewrite a quoted Python function), 256 new tokens: "
+     "verispec's defaults against prompt lookup (`ngram`), suffix decoding (`suffix`) and the hybrid with the "
+     "suffix lookup, the lookups at k = 16 so a long copy is not cut short, and without the index of earlier "
+     "outputs (`global=0`: every method answers the same prompts, and the index would hand a later method an "
+     "earlier one's answer). No setting was tuned on these prompts.", bench_section),
     ("int4_long", "int4 target and draft against llama.cpp, long answers",
      "The target runs from its GGUF's Q4_K tensors as int4 (its Q6_K tensors as int8), the draft as `int4-all`, "
      "through verispec's CPU kernels; llama.cpp runs the same GGUF file. Tokens/s include the prefill. The ratio "
@@ -395,8 +401,9 @@ Every figure on this page comes from a report in [results/](results/), written b
 [bench/run_all.sh](../bench/run_all.sh) (`make bench`; the GPU section by
 [bench/gpu_check.py](../bench/gpu_check.py)), and each section names the host and the date its report
 records. In `verispec bench` runs the methods generate prompt by prompt, interleaved, in one process, so
-their ratios are measured side by side; absolute tokens/s compare only within a section (hosts differ, and
-a shared host's speed varies from run to run).
+their ratios are measured side by side, each method prefilling every prompt itself (no prefix reuse
+between them); absolute tokens/s compare only within a section (hosts differ, and a shared host's speed
+varies from run to run).
 
 How to read the tables ([docs/bench.md](bench.md) has the details): **tokens/s** is generated tokens over
 the summed wall time of the requests, prefill included; **speedup vs plain** is a method's tokens/s over

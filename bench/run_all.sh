@@ -8,7 +8,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-docs/results}
-STEPS=${STEPS:-plain humaneval full report advise two_process stability concurrency server verify_cost kernels fused_paths int4 int4_long draft_window draft_cost load compile}
+STEPS=${STEPS:-plain humaneval full report code_edit advise two_process stability concurrency server verify_cost kernels fused_paths int4 int4_long draft_window draft_cost load compile}
 V=.venv/bin/verispec
 PY=.venv/bin/python
 PAIR=(--model qwen2.5-coder-1.5b-instruct --draft qwen2.5-coder-0.5b-instruct --dtype bfloat16 --weights dense
@@ -42,17 +42,24 @@ for step in $STEPS; do
       $V bench "${INT4_PAIR[@]}" --methods none,hybrid,hybrid:policy=fixed,k=2,hybrid:policy=fixed,k=3,hybrid:policy=fixed,k=5 \
         --dataset spec_bench,humaneval:100-119,chat_code --per-category 2 --seed 1 --max-tokens 128 \
         --no-progress --out "$D" ;;
+    code_edit)    # requests to rewrite a quoted function, where most of the answer repeats the prompt: the
+                  # lookups (n-gram, suffix decoding) against the defaults; 256 new tokens
+      # global=0: the methods take turns on each prompt, and an index of earlier outputs would hand the
+      # later ones the earlier ones' answer to copy
+      $V bench "${INT4_PAIR[@]}" --methods none,hybrid,ngram:k=16,suffix:k=16,global=0,hybrid:lookup=suffix,k=16,global=0 \
+        --dataset code_edit --max-tokens 256 --no-progress --out "$D" ;;
     advise)       # measured costs and acceptance, predicted against measured speedup
       $V advise "${PAIR[@]}" --k-max 16 --max-tokens 64 --out "$D" | tee "$D/advise.txt" ;;
     two_process)  # draft and target in one process against one process each
       $PY bench/two_process.py --model qwen2.5-coder-1.5b-instruct --draft qwen2.5-coder-0.5b-instruct \
         --dtype bfloat16 --max-tokens 64 --prompts 2 --json "$D/two_process.json" | tee "$D/two_process.md" ;;
-    concurrency)  # the int4 pair under verispec's defaults at 1-4 clients (8 requests) and 8-16 (32), Spec-Bench
-                  # prompts of the report split; "alone" runs the same requests one at a time
+    concurrency)  # the int4 pair under verispec's defaults at 1-4 clients (8 requests, 3 repeats) and 8-16 (two
+                  # waves of requests, one run), Spec-Bench prompts of the report split; "alone" runs the same
+                  # requests one at a time
       $PY bench/concurrency.py --weights int4 --draft-weights int4-all --max-tokens 64 --concurrency 1,2,4 \
         --requests 8 --repeats 3 --seed 1 --modes plain,policy,alone --out "$D/1-4"
       $PY bench/concurrency.py --weights int4 --draft-weights int4-all --max-tokens 64 --concurrency 8,16 \
-        --requests 32 --repeats 3 --seed 1 --modes plain,policy --out "$D/8-16" ;;
+        --requests 16 --repeats 1 --seed 1 --modes plain,policy --out "$D/8-16" ;;
     stability)    # odd inputs (context limits, markup, emoji, control characters), plain against speculative
       $V bench "${PAIR[@]}" "${SPEC[@]}" --methods draft,ngram --dataset humaneval --n 1 --max-tokens 16 --max-len 1024 \
         --stability --no-progress --out "$D" ;;

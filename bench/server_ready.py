@@ -105,12 +105,12 @@ def main() -> None:
             proc.kill()
 
     info = machine()
-    result = {"machine": info, "command": " ".join(cmd[2:]), "listening_s": listening, "ready_s": ready,
+    result = {"machine": info, "command": " ".join(["verispec", *cmd[3:]]), "listening_s": listening, "ready_s": ready,
               "health_max_s": max(health_s, default=0.0), "requests": requests, "log": lines}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "server_ready.json").write_text(json.dumps(result, indent=1) + "\n")
     names = ["first speculative", "plain", "second speculative"]
-    md = [f"`verispec {result['command']}` on {info['cpu']}, {info['threads']} threads, {info['date']}; models "
+    md = [f"`{result['command']}` on {info['cpu']}, {info['threads']} threads, {info['date']}; models "
           "from the converted cache.", "",
           f"Launch to listening: {listening:.1f} s; launch to ready (`/health` 200): {ready:.1f} s; slowest "
           f"`/health` answer meanwhile {result['health_max_s']:.2f} s.", "",
