@@ -19,6 +19,7 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from functools import partial
 
 import torch
@@ -30,12 +31,8 @@ SLOPES = {"peaked": 1.6, "medium": 1.2, "flat": 0.9}
 
 
 def full_sort_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """The sampled path of ``probs_from_logits`` with the nucleus found by sorting the whole row."""
-    logits = logits.float() / params.temperature
-    if params.top_k and params.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
+    """``probs_from_logits`` with the nucleus found by sorting the whole row (temperature and top-k its own)."""
+    probs = probs_from_logits(logits, replace(params, top_p=1.0))
     if params.top_p < 1.0:
         sorted_p, order = probs.sort(dim=-1, descending=True)
         drop = (sorted_p.cumsum(-1) - sorted_p) >= params.top_p
