@@ -564,13 +564,15 @@ class Engine:
             self._finish(req, "length")
             return None
         cap = k_cap(req.spec.k, req.params, len(req.out), room) if row.speculates else 0
+        req.governed = False
+        if not cap:  # nothing to draft (a plain request, or no room): nothing for a policy to decide
+            return RowPlan(0, context=len(row.seq))
         # A trusted lookup (hybrid) costs no draft time: it is drafted whatever the policy would say,
         # and the policy learns nothing from it. Otherwise a hybrid row drafts with the draft model.
         free = row.drafter.free_tokens(row.seq, cap, req.params, row.generator) \
             if cap and row.drafter is not None else 0
         lookup_only = isinstance(row.drafter, HybridDrafter) and not row.model_draft
         row.use_model = row.model_draft and not free
-        req.governed = False
         if free or lookup_only:
             return RowPlan(cap, fixed_k=free, context=len(row.seq))
         if req.kpolicy is not None:
