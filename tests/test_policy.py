@@ -79,6 +79,22 @@ def test_fixed_rows_keep_their_k_and_governed_rows_their_cap():
     assert CostPolicy(flat()).choose([row(0.95, cap=6), RowPlan(cap=4, fixed_k=4)]) == [6, 4]
 
 
+
+def test_a_free_lookup_is_drafted_only_where_its_padding_pays():
+    # A cost-policy row's trusted lookup drafts for free, but the forward scores every row at its
+    # width: alone it pays, among 16 rows on a compute-bound target it would cost 6x the step.
+    policy = CostPolicy(compute_bound())
+    lookup = RowPlan(cap=5, fixed_k=5, optional=True)
+    assert policy.choose([lookup]) == [5]
+    assert policy.choose([lookup] + [row(0.8) for _ in range(15)]) == [0] * 16
+    # A lookup the request asked for at a fixed k is not the policy's to drop.
+    assert policy.choose([RowPlan(cap=5, fixed_k=5)] + [row(0.8) for _ in range(15)])[0] == 5
+    # On a flat target the padding costs nothing: the lookup drafts, and the governed rows join it.
+    assert CostPolicy(flat()).choose([lookup, row(0.8), row(0.8)]) == [5, 5, 5]
+    # Nothing governed: the lookups alone are weighed, and no k is recorded as chosen.
+    pair = CostPolicy(compute_bound())
+    assert pair.choose([lookup] * 16) == [0] * 16 and pair.chosen == {}
+
 def test_probes_back_off_to_a_bound_and_never_stop():
     policy = CostPolicy(flat())  # a = 0.1 keeps the row plain (1.1 tokens per 0.11 s); a = 1 would pay
     schedule = ProbeSchedule(every=2, max_every=8)

@@ -574,7 +574,7 @@ class Engine:
         lookup_only = isinstance(row.drafter, HybridDrafter) and not row.model_draft
         row.use_model = row.model_draft and not free
         if free or lookup_only:
-            return RowPlan(cap, fixed_k=free, context=len(row.seq))
+            return RowPlan(cap, fixed_k=free, optional=req.kpolicy is None, context=len(row.seq))
         if req.kpolicy is not None:
             return RowPlan(cap, fixed_k=req.kpolicy.choose(cap), model_draft=row.use_model, context=len(row.seq))
         req.governed = True

@@ -7,6 +7,11 @@ target forward scoring B x (k + 1) tokens, and the context they attend to). The 
 picks the k with the best expected goodput, sum of E[k] over rows / step seconds, and drafts only
 where that beats plain decoding by :data:`MIN_GAIN`. One row is the B = 1 case of the same rule.
 
+A free draft (a trusted prompt lookup) costs no draft time, but its row widens the step, and every
+row of a padded forward is scored at the widest row's k + 1: a cost policy's lookup is drafted only
+where the step's goodput is higher with it than without it (alone, it nearly always is; among many
+rows on a compute-bound host, it is not).
+
 Two more rules, each for a cost the goodput of one step does not show:
 
 - A row whose draft model must first read context on its own (its prompt, or what it generated
@@ -119,6 +124,7 @@ class RowPlan:
     """What the policy knows of one row before a step.
 
     ``acceptance`` None: the row's k is ``fixed_k`` (a fixed or heuristic k policy, or a trusted
+    lookup), which the policy may drop to 0 only where ``optional`` (a cost-policy request's free
     lookup). ``model_draft``: it drafts with the shared draft model (lockstep forwards);
     ``draft_token_s``: seconds per token its own drafter spends (layer-skip; lookups 0).
     """
@@ -126,6 +132,7 @@ class RowPlan:
     cap: int
     acceptance: float | None = None
     fixed_k: int = 0
+    optional: bool = False
     model_draft: bool = False
     draft_token_s: float = 0.0
     catch_up: int = 0  # tokens its draft model must read alone before drafting
@@ -147,10 +154,18 @@ class CostPolicy:
         """k of every row for the next step (fixed rows keep theirs, each capped by its ``cap``)."""
         ks = [0 if p.acceptance is not None else min(p.fixed_k, p.cap) for p in plans]
         governed = [i for i, p in enumerate(plans) if p.acceptance is not None and p.cap > 0]
+        rates = {i: plans[i].acceptance for i in governed}
+        options = [ks]
+        if any(p.optional and k for p, k in zip(plans, ks, strict=True)):
+            options.append([0 if p.optional else k for p, k in zip(plans, ks, strict=True)])
+        best = -1.0
+        for option in options:  # with the optional lookups, then without them
+            joined_o, k_o = self._paying(plans, option, governed, rates, span)
+            goodput = self._goodput(plans, option, self._at(plans, joined_o, k_o), rates, span)
+            if goodput > best:
+                best, ks, joined, k = goodput, list(option), joined_o, k_o
         if not governed:
             return ks
-        rates = {i: plans[i].acceptance for i in governed}
-        joined, k = self._paying(plans, ks, governed, rates, span)
         if k > 0:
             for i in governed:
                 if plans[i].probes is not None:
