@@ -16,7 +16,7 @@ def test_chat_code_ships_with_the_package_as_chat_prompts():
 
 def test_code_edit_ships_with_the_package_as_chat_prompts_quoting_a_function():
     prompts = datasets.load("code_edit")
-    assert len(prompts) == 12 and all(p.chat and p.category == "code_edit" for p in prompts)
+    assert len(prompts) == 36 and all(p.chat and p.category == "code_edit" for p in prompts)
     assert len({p.id for p in prompts}) == len(prompts)
     for p in prompts:
         ask, code = re.fullmatch(r"(.+)\n\n```python\n(.+)\n```", p.text, re.DOTALL).groups()
