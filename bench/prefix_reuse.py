@@ -96,18 +96,21 @@ def main() -> None:
               f"{turn_s:.1f} s), follow-up TTFT {without['ttft_s']:.2f} s without reuse, {with_reuse['ttft_s']:.2f} s "
               f"with: {run['speedup']:.1f}x, same output: {run['same_output']}", flush=True)
 
-    print(f"\nfollow-up turn TTFT, {args.model} ({args.weights}) + {args.draft} ({args.draft_weights}), "
-          f"{info['cpu']}, {info['threads']} threads, load average {info['load_avg'][0]:.1f} (shared host), "
-          f"{info['date']}\n")
-    print("| spec | prefix reuse | prompt tokens | reused | prefilled | draft reused | TTFT s | speedup |\n"
-          "|---|---|---:|---:|---:|---:|---:|---:|")
+    lines = [f"Follow-up turn's time to first token, {args.model} ({args.weights}) + {args.draft} "
+             f"({args.draft_weights}), {info['cpu']}, {info['threads']} threads, load average "
+             f"{info['load_avg'][0]:.1f}, {info['date']}; greedy outputs with and without reuse "
+             f"{'identical' if all(run['same_output'] for run in runs) else 'DIFFERENT'}.", "",
+             "| spec | prefix reuse | prompt tokens | reused | prefilled | draft reused | TTFT s | speedup |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]
     for run in runs:
         for label, r in (("off", run["without_reuse"]), ("on", run["with_reuse"])):
             speedup = f"{run['speedup']:.1f}x" if label == "on" else ""
-            print(f"| {run['method']} | {label} | {r['prompt_tokens']} | {r['reused']} | {r['prefilled']} | "
-                  f"{r['draft_reused']} | {r['ttft_s']:.2f} | {speedup} |")
+            lines.append(f"| {run['method']} | {label} | {r['prompt_tokens']} | {r['reused']} | {r['prefilled']} | "
+                         f"{r['draft_reused']} | {r['ttft_s']:.2f} | {speedup} |")
+    print("\n" + "\n".join(lines))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    (out / "prefix_reuse.md").write_text("# Prefix reuse\n\n" + "\n".join(lines) + "\n")
     (out / "prefix_reuse.json").write_text(json.dumps({"machine": info, "runs": runs}, indent=2))
     print(f"\nwrote {out / 'prefix_reuse.json'}")
 

@@ -352,6 +352,12 @@ SECTIONS: list[tuple[str, str, str, Any]] = [
      "at one client, the same requests through `generate` one after another (`alone`). Beyond prefill: "
      "throughput over the wall time outside the target's prompt prefill, which is the same work in every mode.",
      concurrency_section),
+    ("prefix_reuse", "Prefix reuse: a chat's follow-up turn",
+     "`bench/prefix_reuse.py`: a ~1,000-token conversation (a code file, a question and the model's answer), then "
+     "a follow-up turn, on an engine with prefix reuse and on one without, per spec (plain decoding, and the draft "
+     "model at a fixed k so that the first step drafts). With reuse the follow-up lands in the slot the "
+     "conversation left and prefills only its new tokens.",
+     lambda f, b: md_section(f, b, ["prefix_reuse.md"])),
     ("server", "Server: launch to ready, and the first requests",
      "`bench/server_ready.py`: `verispec serve` on the pair with its default settings, `/health` polled from "
      "launch; once it answers 200, chat requests one at a time (greedy, speculative under the server's defaults, "

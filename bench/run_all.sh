@@ -8,7 +8,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-docs/results}
-STEPS=${STEPS:-plain humaneval full report code_edit advise two_process stability concurrency server verify_cost kernels fused_paths int4 int4_long draft_window draft_cost load compile}
+STEPS=${STEPS:-plain humaneval full report code_edit advise two_process stability concurrency prefix_reuse server verify_cost kernels fused_paths int4 int4_long draft_window draft_cost load compile}
 V=.venv/bin/verispec
 PY=.venv/bin/python
 PAIR=(--model qwen2.5-coder-1.5b-instruct --draft qwen2.5-coder-0.5b-instruct --dtype bfloat16 --weights dense
@@ -40,7 +40,7 @@ for step in $STEPS; do
     report)       # the report split (Spec-Bench seed 1, HumanEval 100-119, chat-formatted coding requests; no
                   # default was tuned on it): verispec's defaults against plain and the fixed k they choose among
       $V bench "${INT4_PAIR[@]}" --methods none,hybrid,hybrid:policy=fixed,k=2,hybrid:policy=fixed,k=3,hybrid:policy=fixed,k=5 \
-        --dataset spec_bench,humaneval:100-119,chat_code --per-category 2 --seed 1 --max-tokens 128 \
+        --dataset spec_bench,humaneval:100-119,chat_code --per-category 2 --seed 1 --max-tokens 128 --repeats 2 \
         --no-progress --out "$D" ;;
     code_edit)    # requests to rewrite a quoted function, where most of the answer repeats the prompt: the
                   # lookups (n-gram, suffix decoding) against the defaults; 256 new tokens
@@ -63,6 +63,8 @@ for step in $STEPS; do
     stability)    # odd inputs (context limits, markup, emoji, control characters), plain against speculative
       $V bench "${PAIR[@]}" "${SPEC[@]}" --methods draft,ngram --dataset humaneval --n 1 --max-tokens 16 --max-len 1024 \
         --stability --no-progress --out "$D" ;;
+    prefix_reuse) # a chat's follow-up turn with prefix reuse and without: time to first token, same outputs
+      $PY bench/prefix_reuse.py --out "$D" ;;
     server)       # `verispec serve` on the pair with its defaults: launch to ready, then the first requests
       $PY bench/server_ready.py --max-tokens 128 --out "$D" ;;
     verify_cost)  # the whole target forward's t(M)/t(1) per weight format, with a plot

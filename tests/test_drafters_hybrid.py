@@ -89,6 +89,8 @@ def test_a_trusted_lookup_is_offered_as_free_and_proposed_once():
     assert h.free_tokens([1, 2, 3], 4, GREEDY, None) == 3
     assert h.propose([1, 2, 3], 3, GREEDY, None).tokens == [5, 6, 7]  # the offered lookup, not a new one
     assert ngram.calls.count(("propose", 3)) == 1 and h.counts == {"ngram": 1}
+    # An offered lookup the k policy leaves out (the row decodes plainly) is not counted as drafted.
+    assert h.free_tokens([1, 2, 3, 4], 4, GREEDY, None) == 3 and h.counts == {"ngram": 1}
     short = HybridDrafter(Fake("ngram", [5, 6], match=2))
     assert short.free_tokens([1, 2, 3], 4, GREEDY, None) == 0  # untrusted: left to the k policy and the draft model
     assert short.propose([1, 2, 3], 2, GREEDY, None).tokens == []

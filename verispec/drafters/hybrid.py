@@ -43,12 +43,13 @@ class HybridDrafter(Drafter):
         self.lookup, self.retrieval = lookup, retrieval
         self.min_match = min_match
         self.counts: Counter[str] = Counter()
-        self._offered: tuple[int, Proposal | None] | None = None  # (len(seq), lookup) from free_tokens
+        # (len(seq), (source, lookup)) from free_tokens: offered, counted only once drafted
+        self._offered: tuple[int, tuple[str, Proposal] | None] | None = None
 
     def free_tokens(self, seq: list[int], k: int, params: SamplingParams, generator: torch.Generator | None) -> int:
-        proposal = self._best_lookup(seq, k, params, generator)
-        self._offered = (len(seq), proposal)
-        return 0 if proposal is None else len(proposal.tokens)
+        best = self._best_lookup(seq, k, params, generator)
+        self._offered = (len(seq), best)
+        return 0 if best is None else len(best[1].tokens)
 
     def _subs(self) -> list[Drafter]:
         return [d for d in (self.lookup, self.retrieval) if d is not None]
@@ -63,13 +64,14 @@ class HybridDrafter(Drafter):
         lookup = cached[1] if cached is not None and cached[0] == len(seq) else \
             self._best_lookup(seq, k, params, generator)
         if lookup is not None:
-            return Proposal(lookup.tokens[:k])  # lookups are deterministic: no distributions
+            self.counts[lookup[0]] += 1
+            return Proposal(lookup[1].tokens[:k])  # lookups are deterministic: no distributions
         self.counts["none"] += 1
         return Proposal([])
 
     def _best_lookup(self, seq: list[int], k: int, params: SamplingParams,
-                     generator: torch.Generator | None) -> Proposal | None:
-        """The lookup proposal with the longest trusted match (counted as drafting this step), or None."""
+                     generator: torch.Generator | None) -> tuple[str, Proposal] | None:
+        """The lookup proposal with the longest trusted match and its source's name, or None."""
         best: tuple[int, str, Proposal] | None = None
         # The context's match cannot exceed its lookup's max_n, so hold it to at most that.
         lookups: list[tuple[Drafter, int]] = [(self.lookup, min(self.min_match, self.lookup.max_n))]
@@ -81,10 +83,7 @@ class HybridDrafter(Drafter):
             # Strictly longer wins, so the context's own lookup beats the datastore on a tie.
             if match >= threshold and len(proposal.tokens) >= min(2, k) and (best is None or match > best[0]):
                 best = (match, drafter.name, proposal)
-        if best is None:
-            return None
-        self.counts[best[1]] += 1
-        return best[2]
+        return None if best is None else (best[1], best[2])
 
     def commit(self, n_valid: int) -> None:
         for d in self._subs():
