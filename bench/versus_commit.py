@@ -5,7 +5,10 @@ virtual environment, models and kernel cache); the two sides then take turns, ``
 in reverse order every other repeat, so a drift of the host hits both alike. Each side's reports
 land in ``OUT/<side>-<repeat>/``; ``OUT/versus.md`` and ``versus.json`` give, per method and
 category, this checkout's tokens/s over the earlier commit's (the median of the per-repeat ratios,
-with their range) and every run's speedup over its own plain decoding.
+with their range), the same beyond prefill (tokens over the wall time outside the target's prompt
+prefill: an earlier commit whose engine reused one method's prefill for the next gave the later
+methods a head start there), and every run's speedup over its own plain decoding. ``--compare-only``
+renders the comparison again from the reports already in OUT.
 
     python bench/versus_commit.py --base da5330f --repeats 2 --out bench_out/versus -- \\
         --model qwen2.5-coder-1.5b-instruct --draft qwen2.5-coder-0.5b-instruct --weights int4 \\
@@ -36,10 +39,12 @@ def bench(source: Path, args: list[str], out: Path) -> dict[str, Any]:
     return json.loads((out / "report.json").read_text())
 
 
-def rates(report: dict[str, Any]) -> dict[tuple[str, str], tuple[float, float]]:
-    """(method, category) -> (tokens/s, speedup over that run's plain decoding)."""
+def rates(report: dict[str, Any]) -> dict[tuple[str, str], tuple[float, float, float]]:
+    """(method, category) -> (tokens/s, speedup over that run's plain decoding, tokens/s beyond prefill)."""
     rows = report["summary"] + report["per_category"]
-    return {(r["method"], r["category"]): (r["tokens_per_s"], r["speedup"]) for r in rows}
+    return {(r["method"], r["category"]): (r["tokens_per_s"], r["speedup"],
+                                           r["tokens"] / (r["wall_s"] * (1.0 - r["stage_share"]["prefill"])))
+            for r in rows}
 
 
 def compare(runs: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
@@ -50,36 +55,30 @@ def compare(runs: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
         if not all(key in b for b in base):
             continue
         ratios = [h[key][0] / b[key][0] for h, b in zip(head, base, strict=True)]
+        beyond = [h[key][2] / b[key][2] for h, b in zip(head, base, strict=True)]
         out.append({"method": key[0], "category": key[1], "head_vs_base": statistics.median(ratios),
-                    "runs": ratios, "head_speedup": statistics.median(h[key][1] for h in head),
+                    "runs": ratios, "beyond_prefill": statistics.median(beyond), "beyond_runs": beyond,
+                    "head_speedup": statistics.median(h[key][1] for h in head),
                     "base_speedup": statistics.median(b[key][1] for b in base)})
     return out
 
 
 def markdown(rows: list[dict[str, Any]], header: str) -> str:
-    lines = [header, "", "| method | category | this checkout vs base (tokens/s) | speedup over plain: this | base |",
-             "|---|---|---:|---:|---:|"]
+    lines = [header, "", "| method | category | this checkout vs base (tokens/s) | the same beyond prefill | "
+             "speedup over plain: this | base |", "|---|---|---:|---:|---:|---:|"]
+
+    def ratio(median: float, runs: list[float]) -> str:
+        return f"{median:.2f}x" + (f" ({min(runs):.2f}-{max(runs):.2f})" if len(runs) > 1 else "")
+
     for r in sorted(rows, key=lambda r: (r["method"], r["category"] != "overall", r["category"])):
-        spread = f" ({min(r['runs']):.2f}-{max(r['runs']):.2f})" if len(r["runs"]) > 1 else ""
-        lines.append(f"| {r['method']} | {r['category']} | {r['head_vs_base']:.2f}x{spread} | "
-                     f"{r['head_speedup']:.2f}x | {r['base_speedup']:.2f}x |")
+        lines.append(f"| {r['method']} | {r['category']} | {ratio(r['head_vs_base'], r['runs'])} | "
+                     f"{ratio(r['beyond_prefill'], r['beyond_runs'])} | {r['head_speedup']:.2f}x | "
+                     f"{r['base_speedup']:.2f}x |")
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--base", required=True, help="the earlier commit (any git revision)")
-    ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--out", type=Path, default=Path("bench_out/versus"))
-    ap.add_argument("bench_args", nargs=argparse.REMAINDER, help="-- then the arguments of `verispec bench`")
-    args = ap.parse_args()
-    bench_args = args.bench_args[1:] if args.bench_args[:1] == ["--"] else args.bench_args
-    if args.repeats < 1 or not bench_args:
-        ap.error("--repeats >= 1, and the bench arguments after --")
-    rev = subprocess.run(["git", "rev-parse", "--short", args.base], cwd=ROOT, check=True, capture_output=True,
-                         text=True).stdout.strip()
-    args.out.mkdir(parents=True, exist_ok=True)
-    runs: dict[str, list[dict[str, Any]]] = {"base": [], "head": []}
+def run_sides(args: argparse.Namespace, rev: str, bench_args: list[str], runs: dict[str, list[dict[str, Any]]]) -> None:
+    """The bench on both sides, ``args.repeats`` times, alternating; reports appended to ``runs``."""
     with tempfile.TemporaryDirectory(prefix="verispec-base-") as tmp:
         worktree = Path(tmp) / "base"
         subprocess.run(["git", "worktree", "add", "--detach", "-q", str(worktree), rev], cwd=ROOT, check=True)
@@ -91,6 +90,29 @@ def main() -> None:
                     runs[side].append(bench(sources[side], bench_args, args.out / f"{side}-{rep + 1}"))
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", str(worktree)], cwd=ROOT, check=False)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--base", required=True, help="the earlier commit (any git revision)")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--out", type=Path, default=Path("bench_out/versus"))
+    ap.add_argument("--compare-only", action="store_true", help="compare the reports already in --out")
+    ap.add_argument("bench_args", nargs=argparse.REMAINDER, help="-- then the arguments of `verispec bench`")
+    args = ap.parse_args()
+    bench_args = args.bench_args[1:] if args.bench_args[:1] == ["--"] else args.bench_args
+    if args.repeats < 1 or not bench_args:
+        ap.error("--repeats >= 1, and the bench arguments after --")
+    rev = subprocess.run(["git", "rev-parse", "--short", args.base], cwd=ROOT, check=True, capture_output=True,
+                         text=True).stdout.strip()
+    args.out.mkdir(parents=True, exist_ok=True)
+    runs: dict[str, list[dict[str, Any]]] = {"base": [], "head": []}
+    if args.compare_only:
+        for side in runs:
+            runs[side] = [json.loads((args.out / f"{side}-{rep + 1}" / "report.json").read_text())
+                          for rep in range(args.repeats)]
+    else:
+        run_sides(args, rev, bench_args, runs)
     rows = compare(runs)
     machine = runs["head"][0]["machine"]
     header = (f"# This checkout against {rev}\n\n`verispec bench {' '.join(bench_args)}`, {args.repeats} runs of "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 from dataclasses import replace
@@ -216,6 +217,15 @@ def test_demo_is_a_bench_run_of_its_methods(pair: tuple[str, str], tmp_path: Pat
                                                       "ngram:policy=fixed"]
     assert all(c["exact_match"] == 1.0 for c in report["consistency"])
     assert "speedup_by_category.png" in report["plots"] and (tmp_path / "out" / "report.md").is_file()
+
+
+def test_demo_runs_llamacpp_where_the_extra_is_installed(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = importlib.util.find_spec
+    for installed in (True, False):
+        monkeypatch.setattr(importlib.util, "find_spec",
+                            lambda name, *a, _i=installed: (object() if _i else None) if name == "llama_cpp"
+                            else real(name, *a))
+        assert demo_options("out").peers == (["llamacpp"] if installed else [])
 
 
 def test_peer_models_load_from_the_engines_files(tmp_path: Path, pair: tuple[str, str]) -> None:

@@ -2,10 +2,13 @@
 
 The demo is one fixed run of the benchmark harness (``verispec bench``): greedy decoding of a few
 HumanEval prompts and, where Spec-Bench is present, a summarization and a QA prompt, every method
-of :data:`METHODS` against plain decoding, interleaved per prompt.
+of :data:`METHODS` against plain decoding, interleaved per prompt, and llama.cpp's plain decoding of
+the same GGUF file where the optional ``llamacpp`` extra is installed.
 """
 
 from __future__ import annotations
+
+import importlib.util
 
 from verispec.bench import datasets
 from verispec.bench.command import BenchOptions, run_bench
@@ -20,10 +23,12 @@ def demo_options(out: str, n_prompts: int = 4, max_tokens: int = 96) -> BenchOpt
     """The benchmark run ``make demo`` is, writing its report and plots to ``out``.
 
     Half of ``n_prompts`` are HumanEval's first prompts; the other half Spec-Bench summarization
-    and QA prompts when its questions are present (else HumanEval alone).
+    and QA prompts when its questions are present (else HumanEval alone). llama.cpp runs as a peer
+    where ``llama_cpp`` can be imported.
     """
     spec_bench = datasets.default_spec_bench().is_file()
-    return BenchOptions(model=TARGET, draft=DRAFT, methods=METHODS,
+    peers = ["llamacpp"] if importlib.util.find_spec("llama_cpp") is not None else []
+    return BenchOptions(model=TARGET, draft=DRAFT, methods=METHODS, peers=peers,
                         dataset="humaneval,spec_bench" if spec_bench else "humaneval", n=n_prompts // 2 or 1,
                         categories=["summarization", "qa"], per_category=max(1, n_prompts // 4),
                         max_tokens=max_tokens, max_len=2048,
