@@ -155,11 +155,34 @@ async def _no_receive() -> Message:  # pragma: no cover (a JSONResponse never re
     return {"type": "http.disconnect"}
 
 
+# The most of a refused body read (and dropped) before the refusal is sent. Closing a connection
+# whose client is still sending makes its kernel answer with a reset, which can discard the
+# refusal before the client reads it; past this bound (or the read timeout) the client may see
+# that reset instead of the 413.
+DRAIN_BYTES = 64 * 2**20
+
+
+async def _drain(receive: Receive, more: bool, timeout_s: float) -> None:
+    """Read and drop what is left of a refused body, up to :data:`DRAIN_BYTES` and ``timeout_s``."""
+    dropped = 0
+    try:
+        async with asyncio.timeout(timeout_s):
+            while more and dropped <= DRAIN_BYTES:
+                message = await receive()
+                if message["type"] != "http.request":
+                    return
+                dropped += len(message.get("body", b""))
+                more = message.get("more_body", False)
+    except TimeoutError:
+        return
+
+
 class RequestLimits:
     """Reads each request's body before the app sees it: 413 past ``max_body_bytes``, 408 past ``timeout_s``.
 
-    A ``Content-Length`` over the limit is refused before any body is read; a chunked body is
-    counted as it arrives and refused once it passes the limit. The whole body must arrive within
+    A ``Content-Length`` over the limit is refused without passing any of the body on; a chunked
+    body is counted as it arrives and refused once it passes the limit. Before the refusal the rest
+    of the body is read and dropped, within bounds (:func:`_drain`). The whole body must arrive within
     ``timeout_s`` of the request's head. The body is then handed to the app as it came (later
     ``receive`` calls, which report a disconnect, go to the server as usual).
     """
@@ -174,6 +197,7 @@ class RequestLimits:
         too_large = f"the request body is larger than this server accepts ({self.max_body_bytes} bytes)"
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+            await _drain(receive, True, self.timeout_s)
             await _refuse(send, 413, too_large, "request_too_large")
             return
         messages: list[Message] = []
@@ -187,6 +211,7 @@ class RequestLimits:
                         break
                     size += len(message.get("body", b""))
                     if size > self.max_body_bytes:
+                        await _drain(receive, message.get("more_body", False), self.timeout_s)
                         await _refuse(send, 413, too_large, "request_too_large")
                         return
                     if not message.get("more_body", False):
