@@ -120,6 +120,11 @@ def test_the_first_token_always_stays_and_a_top_k_row_keeps_its_support():
     got = probs_from_logits(logits, SamplingParams(temperature=1.0, top_p=0.01))
     assert torch.equal(got[0], torch.tensor([1.0, 0.0, 0.0, 0.0]))
     assert sorted(got[1].tolist()) == [0.0, 0.0, 0.0, 1.0]  # one of four equals, whole
+    # A top_p the API accepts (> 0) but that is 0 in fp32: still the most likely token, never NaN.
+    for tiny in (1e-300, 5e-324):
+        got = probs_from_logits(logits, SamplingParams(temperature=1.0, top_p=tiny))
+        assert torch.equal(got[0], torch.tensor([1.0, 0.0, 0.0, 0.0]))
+        assert sorted(got[1].tolist()) == [0.0, 0.0, 0.0, 1.0]
     # top_k 3 of a wide row, with top_p so close to 1 that the mass of the three may stay below it:
     # every one of them stays, and nothing else.
     logits = zipf_logits((2, 151936), 1.0, seed=5)

@@ -106,6 +106,7 @@ def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     while len(todo):
         vals, ids = rows[todo].topk(c, dim=-1)
         drop = (vals.cumsum(-1) - vals) >= top_p
+        drop[:, 0] = False  # the most likely token stays, even where top_p rounds to 0 in fp32
         settled = drop[:, -1] | (vals[:, -1] == 0) if c < vocab else torch.ones_like(drop[:, -1])
         done = todo[settled]
         out[done] = out[done].scatter_(-1, ids[settled], vals[settled].masked_fill(drop[settled], 0.0))
