@@ -243,6 +243,21 @@ def test_policy_picks_k0_in_the_engine_when_compute_bound(engine, reference):
     assert be.stats.summary()["policy_k"] == be.stats.policy_k
 
 
+
+def test_lookup_rows_draft_only_where_their_width_pays(qwen2_tiny, reference):
+    # Hybrid without a draft model: every drafting step is a free lookup, none is governed. The cost
+    # policy still weighs each lookup's width: never on a linear curve, freely on a flat one.
+    lookups = make_engine(qwen2_tiny)
+    spec = SpecConfig(method="hybrid", k=4, k_policy="cost")
+    linear = CostModel(CostCurve({1: 1e-3, 100: 0.1}, smoothing=0))
+    flat = CostModel(CostCurve({1: 1e-2, 1024: 1e-2}, smoothing=0))
+    for costs, widens in ((linear, False), (flat, True)):
+        be = lookups.with_config(max_batch=8, costs=costs)
+        results = be.generate(PROMPTS, PARAMS, spec)
+        assert [r.token_ids for r in results] == reference["plain"]
+        assert (max(be.stats.width_steps) > 1) == widens, be.stats.width_steps
+        assert be.stats.policy_k == {}  # nothing governed: no policy k recorded
+
 def test_profiled_costs_are_monotone(engine):
     be = engine.with_config(max_batch=4)
     costs = be.profile(k_max=3, context=32)

@@ -567,10 +567,10 @@ class Engine:
         req.governed = False
         if not cap:  # nothing to draft (a plain request, or no room): nothing for a policy to decide
             return RowPlan(0, context=len(row.seq))
-        # A trusted lookup (hybrid) costs no draft time: it is drafted whatever the policy would say,
-        # and the policy learns nothing from it. Otherwise a hybrid row drafts with the draft model.
-        free = row.drafter.free_tokens(row.seq, cap, req.params, row.generator) \
-            if cap and row.drafter is not None else 0
+        # A trusted lookup (hybrid) costs no draft time and the policy learns nothing from it; the cost
+        # policy drafts it where its width pays (``optional``), a request's own k policy always.
+        # Without one a hybrid row drafts with the draft model.
+        free = row.drafter.free_tokens(row.seq, cap, req.params, row.generator) if row.drafter is not None else 0
         lookup_only = isinstance(row.drafter, HybridDrafter) and not row.model_draft
         row.use_model = row.model_draft and not free
         if free or lookup_only:
@@ -598,11 +598,11 @@ class Engine:
             return
         rows = [req.row for req in stepping]
         policy_k = None
-        if any(req.governed for req in stepping):
+        if any(req.governed or plan.optional for req, plan in zip(stepping, plans, strict=True)):
             span = self.slots if self.config.compile else \
                 max(r.slot for r in rows) - min(r.slot for r in rows) + 1
             ks = self._policy().choose(plans, span)
-            policy_k = max((k for k, req in zip(ks, stepping, strict=True) if req.governed), default=0)
+            policy_k = max((k for k, req in zip(ks, stepping, strict=True) if req.governed), default=None)
         else:
             ks = [p.fixed_k for p in plans]
         for row, k, plan in zip(rows, ks, plans, strict=True):

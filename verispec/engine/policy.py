@@ -154,16 +154,17 @@ class CostPolicy:
         """k of every row for the next step (fixed rows keep theirs, each capped by its ``cap``)."""
         ks = [0 if p.acceptance is not None else min(p.fixed_k, p.cap) for p in plans]
         governed = [i for i, p in enumerate(plans) if p.acceptance is not None and p.cap > 0]
+        optional = any(p.optional and k for p, k in zip(plans, ks, strict=True))
+        if not governed and not optional:
+            return ks
         rates = {i: plans[i].acceptance for i in governed}
-        options = [ks]
-        if any(p.optional and k for p, k in zip(plans, ks, strict=True)):
-            options.append([0 if p.optional else k for p, k in zip(plans, ks, strict=True)])
-        best = -1.0
-        for option in options:  # with the optional lookups, then without them
-            joined_o, k_o = self._paying(plans, option, governed, rates, span)
-            goodput = self._goodput(plans, option, self._at(plans, joined_o, k_o), rates, span)
-            if goodput > best:
-                best, ks, joined, k = goodput, list(option), joined_o, k_o
+        joined, k = self._paying(plans, ks, governed, rates, span)
+        if optional:  # the step without the optional lookups, where it has the higher goodput
+            without = [0 if p.optional else k_i for p, k_i in zip(plans, ks, strict=True)]
+            joined_w, k_w = self._paying(plans, without, governed, rates, span)
+            if self._goodput(plans, without, self._at(plans, joined_w, k_w), rates, span) > \
+                    self._goodput(plans, ks, self._at(plans, joined, k), rates, span):
+                ks, joined, k = without, joined_w, k_w
         if not governed:
             return ks
         if k > 0:
