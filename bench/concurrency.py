@@ -340,7 +340,8 @@ def main() -> None:
     (args.out / "concurrency.md").write_text(markdown(rows, header))
     (args.out / "concurrency.json").write_text(json.dumps(
         {"machine": info, "args": {k: str(v) for k, v in vars(args).items()}, "rows": rows,
-         "profiled_target_s": costs.target.points, "profiled_draft_s": costs.draft.points if costs.draft else None,
+         "profiled_target_s": {b: c.points for b, c in costs.target.curves.items()},
+         "profiled_draft_s": costs.draft.points if costs.draft else None,
          "profiled_context": costs.per_position.context, "target_context_s": costs.per_position.target_s,
          "draft_context_s": costs.per_position.draft_s,
          "mean_tokens_per_s": {m: statistics.mean(r["tokens_per_s"] for r in rows if r["mode"] == m)

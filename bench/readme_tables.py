@@ -17,6 +17,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from verispec.bench.datasets import SPEC_BENCH_CATEGORIES
 from verispec.bench.report import category_ratios
 from verispec.bench.stats import MethodStats, ratios_by_category, spec_bench_mean
 
@@ -97,16 +98,21 @@ def prompt_set(report: dict[str, Any]) -> str:
     parts = []
     for name in s["dataset"].split(","):
         if name == "spec_bench":
-            n_cats = len([c for c in per_cat if c != "humaneval"])
+            n_cats = len([c for c in per_cat if c in SPEC_BENCH_CATEGORIES])
             cats = f" ({', '.join(s['categories'])})" if s.get("categories") else ""
             parts.append(f"Spec-Bench, {s.get('per_category') or 'all'} prompts in each of {n_cats} categories"
                          f"{cats} (seed {s['seed']})")
         elif name == "humaneval":
             parts.append(f"the first {per_cat.get('humaneval', s.get('n'))} HumanEval problems")
+        elif name.startswith("humaneval:"):
+            parts.append(f"HumanEval problems {name.split(':', 1)[1]}")
         else:
-            parts.append(name)
+            parts.append(f"`{name}` ({per_cat.get(name, 0)} requests)")
     decoding = "greedy" if s["temperature"] == 0 else f"temperature {s['temperature']}"
-    decoding += f", k = {s['k']} and k policy `{s['k_policy']}` unless the method string sets them"
+    if s.get("k") is None and s.get("k_policy") is None:
+        decoding += ", verispec's defaults for whatever the method string leaves out"
+    else:
+        decoding += f", k = {s['k']} and k policy `{s['k_policy']}` unless the method string sets them"
     repeats = (f"; {s['repeats']} runs of each prompt per method, the median wall time counts"
                if s.get("repeats", 1) > 1 else "; one run of each prompt per method")
     return f"Prompts: {' and '.join(parts)}; {s['max_tokens']} new tokens, {decoding}{repeats}."
@@ -326,10 +332,13 @@ SECTIONS: list[tuple[str, str, str, Any]] = [
      "outputs (`global=0`: every method answers the same prompts, and the index would hand a later method an "
      "earlier one's answer). No setting was tuned on these prompts.", bench_section),
     ("int4_long", "int4 target and draft against llama.cpp, long answers",
-     "The target runs from its GGUF's Q4_K tensors as int4 (its Q6_K tensors as int8), the draft as `int4-all`, "
-     "through verispec's CPU kernels; llama.cpp runs the same GGUF file. Tokens/s include the prefill. The ratio "
-     "table divides every method's tokens/s by llama.cpp plain decoding's, per category; its last column is the "
-     "mean over Spec-Bench's six categories.", bench_section),
+     "The report split (as above) plus the packaged `code_edit` requests, 256 new tokens: plain decoding, "
+     "verispec's defaults and the hybrid with the suffix lookup (k = 16, without the index of earlier outputs, as "
+     "in the code edits section) against llama.cpp plain decoding. The target runs from its GGUF's Q4_K tensors "
+     "as int4 (its Q6_K tensors as int8), the draft as `int4-all`, through verispec's CPU kernels; llama.cpp "
+     "runs the same GGUF file on the same prompt token ids. Tokens/s include the prefill. The ratio table "
+     "divides every method's tokens/s by llama.cpp plain decoding's, per category; its last column is the mean "
+     "over Spec-Bench's six categories.", bench_section),
     ("int4", "int4 target and draft, every drafter, against llama.cpp",
      "The same pair and peer, every drafter and k policy side by side on shorter answers, where the prefill is a "
      "larger share of the wall time.", bench_section),
@@ -363,6 +372,11 @@ SECTIONS: list[tuple[str, str, str, Any]] = [
      "launch; once it answers 200, chat requests one at a time (greedy, speculative under the server's defaults, "
      "then plain, then speculative again). The warm-up profiles before ready, so the first speculative request "
      "runs no profiling.", lambda f, b: md_section(f, b, ["server_ready.md"], "server_ready.json")),
+    ("sampling", "What sampling costs",
+     "`bench/sampling_speed.py`: the int4 pair decoding the same prompts greedily, at a temperature and with "
+     "top-p, plainly and under verispec's defaults, side by side; the verification stage (distributions, "
+     "acceptance test, draw) against the scoring stage (the target forward), from the engine's stage timers.",
+     lambda f, b: md_section(f, b, ["sampling_speed.md"], "sampling_speed.json")),
     ("verify_cost", "Verification cost of the whole target forward",
      "`bench/verify_cost.py`: t(M)/t(1) for M scored tokens over a 64-token context, per weight format.",
      verify_cost_section),
@@ -436,6 +450,9 @@ def anchor(title: str) -> str:
     return re.sub(r"[^\w\- ]", "", title.lower()).replace(" ", "-")
 
 
+CODE_COLUMNS = {"humaneval": "HumanEval", "chat_code": "chat code", "code_edit": "code edits"}
+
+
 def readme_table(root: Path, base: Path) -> str:
     """README's one table: the long-answer int4 run (else the int4 one) against plain decoding and llama.cpp."""
     for step in ("int4_long", "int4"):
@@ -452,9 +469,12 @@ def readme_table(root: Path, base: Path) -> str:
     match = {c["method"]: c.get("exact_match") for c in report.get("consistency", [])}
     head = "| method | tokens/s | vs plain |"
     sep = "|---|---:|---:|"
+    # The code categories the run has, each a column of its own against llama.cpp.
+    code = [c for c in ("humaneval", "chat_code", "code_edit") if any(c in v for v in by_cat.values())]
     if peer:
-        head += " vs llama.cpp plain | HumanEval vs llama.cpp | Spec-Bench mean vs llama.cpp |"
-        sep += "---:|---:|---:|"
+        head += " vs llama.cpp plain | Spec-Bench mean vs llama.cpp |" + "".join(
+            f" {CODE_COLUMNS[c]} vs llama.cpp |" for c in code)
+        sep += "---:|---:|" + "---:|" * len(code)
     out = [f"Host: {host(report['machine'])}; run of {report['date'][:10]}.",
            prompt_set(report),
            f"Target {m['target']} ({m['weights']}), draft {m['draft']} ({m['draft_weights']})"
@@ -468,8 +488,8 @@ def readme_table(root: Path, base: Path) -> str:
         line = f"| {short(r['method'])} | {r['tokens_per_s']:.2f} | {fmt(r['speedup'], '.2f', 'x')} |"
         if peer:
             ratios = by_cat.get(r["method"], {})
-            line += (f" {fmt(ratios.get('overall'), '.2f', 'x')} | {fmt(ratios.get('humaneval'), '.2f', 'x')} | "
-                     f"{fmt(spec_bench_mean(ratios), '.2f', 'x')} |")
+            line += f" {fmt(ratios.get('overall'), '.2f', 'x')} | {fmt(spec_bench_mean(ratios), '.2f', 'x')} |"
+            line += "".join(f" {fmt(ratios.get(c), '.2f', 'x')} |" for c in code)
         out.append(line + f" {fmt(match.get(r['method']), '.0%')} |")
     if peer:
         p = next(r for r in report["summary"] if r["method"] == peer)

@@ -8,7 +8,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-docs/results}
-STEPS=${STEPS:-plain humaneval full report code_edit advise two_process stability concurrency prefix_reuse server verify_cost kernels fused_paths int4 int4_long draft_window draft_cost load compile}
+STEPS=${STEPS:-plain humaneval full report code_edit advise two_process stability concurrency prefix_reuse server sampling verify_cost kernels fused_paths int4 int4_long draft_window draft_cost load compile}
 V=.venv/bin/verispec
 PY=.venv/bin/python
 PAIR=(--model qwen2.5-coder-1.5b-instruct --draft qwen2.5-coder-0.5b-instruct --dtype bfloat16 --weights dense
@@ -67,6 +67,9 @@ for step in $STEPS; do
       $PY bench/prefix_reuse.py --out "$D" ;;
     server)       # `verispec serve` on the pair with its defaults: launch to ready, then the first requests
       $PY bench/server_ready.py --max-tokens 128 --out "$D" ;;
+    sampling)     # plain decoding greedy, at temperature 0.8 and with top-p 0.9, and the defaults sampled: tokens/s
+                  # side by side and the verification stage's share of the scoring stage
+      $PY bench/sampling_speed.py --max-tokens 128 --repeats 3 --out "$D" | tee "$D/sampling.txt" ;;
     verify_cost)  # the whole target forward's t(M)/t(1) per weight format, with a plot
       $PY bench/verify_cost.py --formats dense,int8,int4 --reps 5 --decode-tokens 32 --out "$D" \
         | tee "$D/verify_cost.md" ;;
@@ -80,10 +83,11 @@ for step in $STEPS; do
       $V bench "${INT4_PAIR[@]}" "${SPEC[@]}" --methods none,draft,draft:k=3,draft:policy=cost,draft:policy=cost,vocab=32768,ngram,hybrid,hybrid:policy=cost,hybrid:policy=cost,vocab=32768,retrieval:datastore="$STORE" \
         --dataset spec_bench,humaneval --per-category 3 --n 10 --seed 0 --max-tokens 64 -k 5 --peers llamacpp \
         --no-progress --out "$D" ;;
-    int4_long)    # longer answers (256 new tokens, where the prefill weighs little): the best methods of the
-                  # int4 step against llama.cpp plain; 3 repeats (median per prompt)
-      $V bench "${INT4_PAIR[@]}" "${SPEC[@]}" --methods none,hybrid:policy=cost,vocab=32768,confidence=0.3,hybrid:policy=cost,vocab=32768,confidence=0.3,window=256 \
-        --dataset spec_bench,humaneval --per-category 3 --n 10 --seed 0 --max-tokens 256 -k 5 --repeats 3 \
+    int4_long)    # the report split plus the code edits, 256 new tokens (where the prefill weighs little): plain
+                  # decoding, the defaults and the hybrid with the suffix lookup against llama.cpp plain decoding
+                  # on the same GGUF; global=0 as in code_edit
+      $V bench "${INT4_PAIR[@]}" --methods none,hybrid,hybrid:lookup=suffix,k=16,global=0 \
+        --dataset spec_bench,humaneval:100-119,chat_code,code_edit --per-category 2 --seed 1 --max-tokens 256 \
         --peers llamacpp --peer-methods llamacpp-plain --no-progress --out "$D" ;;
     draft_window) # how much of a long prompt the draft reads (summaries, RAG) and what it costs on code
       H=hybrid:policy=cost,vocab=32768,confidence=0.3

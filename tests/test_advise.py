@@ -36,9 +36,9 @@ def test_the_engine_profiles_what_each_further_position_costs(qwen2_tiny, qwen2_
                                     progress=False)
     spec = SpecConfig("draft", k=3, k_policy="cost")
     costs = engine.profile(k_max=3, context=16)
-    assert costs.per_position.context == 16 and set(costs.target.points) == {1, 2, 3, 4}
+    assert costs.per_position.context == 16 and set(costs.target.curves[1].points) == {1, 2, 3, 4}
     assert costs.per_position.target_s >= 0 and costs.per_position.draft_s >= 0
-    assert costs.draft_s(1) > 0 and all(t > 0 for t in costs.target.points.values())
+    assert costs.draft_s(1) > 0 and all(t > 0 for t in costs.target.curves[1].points.values())
     # No room for a longer context: no per-position term (and no error).
     assert engine.with_config(max_len=20).profile(k_max=3, context=16).per_position.target_s == 0.0
     # The profile leaves the engine ready: a request afterwards decodes as before.

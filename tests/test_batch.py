@@ -267,10 +267,13 @@ def test_profiled_costs_are_monotone(engine):
     # What each further position costs is timed within a slot's length (124 here, not 8 x 32).
     assert costs.per_position.context == 32
     assert costs.per_position.target_s >= 0 and costs.per_position.draft_s >= 0
-    assert set(costs.target.points) >= {1, 4, 16}
+    # One curve per profiled row count, each over that many rows' scored tokens.
+    assert set(costs.target.curves) == {1, 2, 4}
+    assert set(costs.target.curves[4].points) == {4, 8, 12, 16}
     assert costs.draft is not None
-    values = [costs.target(t) for t in range(1, 40)]
-    assert values == sorted(values) and values[0] > 0
+    for rows in (1, 3, 4):
+        values = [costs.target_s(t, rows=rows) for t in range(1, 40)]
+        assert values == sorted(values) and values[0] > 0
 
 
 # -- API: streaming, text and stop strings -----------------------------
@@ -426,6 +429,6 @@ def test_the_cost_policy_is_profiled_once_never_for_a_request_s_k(engine, monkey
             out = be.generate(PROMPTS[:2], params, SpecConfig(method="draft", k=k, k_policy="cost"))
             assert [r.token_ids for r in out] == plain
         assert profiled == [PROFILE_K]  # the engine's own width: a k = 40 request did not size it
-        assert be.costs.target_s(2 * 41) >= be.costs.target_s(2 * (PROFILE_K + 1))
+        assert be.costs.target_s(2 * 41, rows=2) >= be.costs.target_s(2 * (PROFILE_K + 1), rows=2)
     # Profiling past the context it runs at (widths above 64 at a 16-token context) is fine too.
-    assert len(be.profile(k_max=70, context=16).target.points) > 0
+    assert len(be.profile(k_max=70, context=16).target.curves[1].points) == 71

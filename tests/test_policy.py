@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from verispec.config import SpecConfig
-from verispec.engine.costs import ContextCost, CostCurve, CostModel, monotone_fit
+from verispec.engine.costs import ContextCost, CostCurve, CostModel, RowCurves, monotone_fit
 from verispec.engine.policy import (
     MIN_GAIN,
     PROBE_K,
@@ -285,11 +285,38 @@ def test_cost_model_composes_draft_target_and_context():
     aware = CostModel(CostCurve({16: 0.7, 32: 1.34}), per_position=ContextCost(64, 55e-6, 35e-6))
     for _ in range(30):
         aware.observe_target(16, 0.7 + 16 * 936 * 55e-6, context=1000)
-    assert aware.target.points[16] == pytest.approx(0.7)
+    assert aware.target.curves[1].points[16] == pytest.approx(0.7)
     aware.observe_target(16, 0.7 + 16 * 936 * 55e-6 + 0.1, context=1000)
-    assert aware.target.points[16] == pytest.approx(0.71)
+    assert aware.target.curves[1].points[16] == pytest.approx(0.71)
     with pytest.raises(ValueError):
         ContextCost(64, target_s=-1.0)
+
+
+def test_one_row_is_priced_by_one_row_forwards():
+    # The same scored tokens cost more over more rows (each row attends to its own cache).
+    one = CostCurve({1: 1.0, 2: 1.0, 4: 1.0, 8: 1.2}, smoothing=0.5)
+    four = CostCurve({4: 2.0, 8: 2.0, 16: 2.4, 32: 3.2}, smoothing=0.5)
+    curves = RowCurves({1: one, 4: four})
+    assert curves(8) == 1.2 and curves(8, rows=4) == 2.0
+    assert curves(8, rows=2) == pytest.approx(1.2 + (2.0 - 1.2) / 3)  # linear in the rows between
+    assert curves(16, rows=9) == 2.4  # past the last profiled rows: that curve
+    # A cost model priced by one curve over the shapes' average would make k > 0 look dearer to a lone
+    # row than it is; with one curve per row count a lone row is priced as on a one-row engine.
+    alone = CostPolicy(CostModel(CostCurve(dict(one.points), smoothing=0), CostCurve({1: 0.05}, smoothing=0)))
+    many = CostPolicy(CostModel(RowCurves({1: CostCurve(dict(one.points), smoothing=0),
+                                           4: CostCurve(dict(four.points), smoothing=0)}),
+                                CostCurve({1: 0.05, 4: 0.1}, smoothing=0)))
+    for a in (0.3, 0.5, 0.7, 0.9):
+        assert many.choose([row(a, cap=7)]) == alone.choose([row(a, cap=7)])
+    # A forward teaches the curve it is read from alone; one between two row counts teaches neither.
+    curves.observe(8, 2.2, rows=2)
+    assert (one.points[8], four.points[8]) == (1.2, 2.0)
+    curves.observe(8, 2.4, rows=4)
+    assert (one.points[8], four.points[8]) == (1.2, 2.2)
+    curves.observe(32, 4.2, rows=9)
+    assert four.points[32] == 3.7
+    with pytest.raises(ValueError):
+        RowCurves({})
 
 
 def test_profiling_stops_repeating_a_shape_once_its_budget_is_spent(monkeypatch: pytest.MonkeyPatch):

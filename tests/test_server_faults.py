@@ -292,7 +292,9 @@ def test_k_at_the_api_maximum_as_the_first_speculative_request(engine: Engine, e
         assert profiled == []
         # The curves still end where the start-up profile measured them (max_batch rows of PROFILE_K + 1
         # tokens): k=64 is priced by extending them.
-        assert max(worker_engine.costs.target.points) == (PROFILE_K + 1) * config.max_batch
+        curves = worker_engine.costs.target.curves
+        assert max(curves) == config.max_batch
+        assert max(curves[config.max_batch].points) == (PROFILE_K + 1) * config.max_batch
 
 
 def test_a_multi_megabyte_prompt_is_refused_without_tokenizing(server: Any, expected: Expected,

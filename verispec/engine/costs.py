@@ -1,8 +1,9 @@
 """What a step costs: measured curves of seconds against the work a forward does.
 
-A target forward's time is a curve of the tokens it scores (rows x width), a lockstep draft
-forward's a curve of its rows; both are measured at a short context, and each scored token pays
-a measured per-position term for the context it attends to beyond that. :func:`profile_costs`
+A target forward's time is a curve of the tokens it scores (rows x width) for each profiled
+number of rows, a lockstep draft forward's a curve of its rows; both are measured at a short
+context, and each scored token pays a measured per-position term for the context it attends to
+beyond that. :func:`profile_costs`
 measures them once; steps then correct the curves online (:meth:`CostModel.observe_target`).
 """
 
@@ -115,6 +116,41 @@ class CostCurve:
             self.points[x] += self.smoothing * w * error
 
 
+@dataclass
+class RowCurves:
+    """Seconds of a target forward against its scored tokens, one :class:`CostCurve` per profiled number
+    of rows, linear in the rows between two of them (the nearest one's outside).
+
+    Forwards of the same scored tokens differ with their rows (each row attends to its own cache and
+    pays its own bookkeeping), so one row is priced by one-row forwards, not by an average over shapes.
+    """
+
+    curves: dict[int, CostCurve]
+
+    def __post_init__(self) -> None:
+        if not self.curves or min(self.curves) < 1:
+            raise ValueError("RowCurves needs a curve for at least one row count >= 1")
+
+    def _weights(self, rows: int) -> dict[int, float]:
+        bs = sorted(self.curves)
+        lo = max((b for b in bs if b <= rows), default=bs[0])
+        hi = min((b for b in bs if b >= rows), default=bs[-1])
+        if lo == hi:
+            return {lo: 1.0}
+        w = (rows - lo) / (hi - lo)
+        return {lo: 1.0 - w, hi: w}
+
+    def __call__(self, tokens: int, rows: int = 1) -> float:
+        return sum(w * self.curves[b](tokens) for b, w in self._weights(rows).items())
+
+    def observe(self, tokens: int, seconds: float, rows: int = 1) -> None:
+        """Fold one measured forward of ``rows`` rows into the curve it is read from alone (a profiled row
+        count's, or the nearest one's outside them); a forward between two row counts teaches neither."""
+        weights = self._weights(rows)
+        if len(weights) == 1:
+            self.curves[next(iter(weights))].observe(tokens, seconds)
+
+
 def monotone_fit(ys: list[float]) -> list[float]:
     """The non-decreasing sequence closest to ``ys`` in least squares (pool adjacent violators)."""
     blocks: list[tuple[float, int]] = []  # (mean, count) of pooled runs
@@ -128,16 +164,16 @@ def monotone_fit(ys: list[float]) -> list[float]:
 
 @dataclass
 class CostModel:
-    """Step time of any batch (one row included): target forwards against scored tokens, lockstep draft
-    forwards against rows.
+    """Step time of any batch (one row included): target forwards against scored tokens and rows, lockstep
+    draft forwards against rows.
 
-    ``draft`` is None for drafters that cost (next to) nothing, such as n-gram lookup. Both curves
-    hold times at ``per_position.context`` positions; each scored token (draft forward row)
-    attending to more pays :class:`ContextCost`'s per-position term, and observations teach the
-    curves only the time their context does not explain.
+    ``target`` may be one curve for any number of rows. ``draft`` is None for drafters that cost
+    (next to) nothing, such as n-gram lookup. Both hold times at ``per_position.context``
+    positions; each scored token (draft forward row) attending to more pays :class:`ContextCost`'s
+    per-position term, and observations teach the curves only the time their context does not explain.
     """
 
-    target: CostCurve
+    target: RowCurves | CostCurve
     draft: CostCurve | None = None
     # A row's draft catching up on context it has not seen (a new row's prompt, or what it
     # generated while the batch decoded plainly) is one forward of its own: a one-row draft
@@ -146,9 +182,14 @@ class CostModel:
     smoothing: float = 0.1
     per_position: ContextCost = field(default_factory=ContextCost)
 
-    def target_s(self, tokens: int, context: int = 0) -> float:
-        """Predicted seconds of a target forward scoring ``tokens`` tokens that attend to ``context`` positions."""
-        return self.target(tokens) + self.per_position.target(tokens, context)
+    def __post_init__(self) -> None:
+        if isinstance(self.target, CostCurve):
+            self.target = RowCurves({1: self.target})
+
+    def target_s(self, tokens: int, context: int = 0, rows: int = 1) -> float:
+        """Predicted seconds of a target forward of ``rows`` rows scoring ``tokens`` tokens in all, that
+        attend to ``context`` positions."""
+        return self.target(tokens, rows) + self.per_position.target(tokens, context)
 
     def draft_s(self, rows: int, context: int = 0) -> float:
         """Predicted seconds of one lockstep draft forward of ``rows`` rows at ``context`` positions."""
@@ -156,9 +197,9 @@ class CostModel:
             return 0.0
         return self.draft(rows) + self.per_position.draft(rows, context)
 
-    def observe_target(self, tokens: int, seconds: float, context: int = 0) -> None:
-        """Fold in a measured target forward; the curve learns the time its context does not explain."""
-        self.target.observe(tokens, seconds - self.per_position.target(tokens, context))
+    def observe_target(self, tokens: int, seconds: float, context: int = 0, rows: int = 1) -> None:
+        """Fold in a measured target forward; the curves learn the time its context does not explain."""
+        self.target.observe(tokens, seconds - self.per_position.target(tokens, context), rows)
 
     def observe_draft(self, rows: int, seconds: float, context: int = 0) -> None:
         """Fold in a measured lockstep draft forward (as :meth:`observe_target`)."""
@@ -184,7 +225,7 @@ class CostModel:
         """
         draft_k = k if draft_k is None else draft_k
         draft = draft_k * self.draft_s(rows, context) if draft_k > 0 else 0.0
-        return draft + self.target_s(rows * (k + 1), context)
+        return draft + self.target_s(rows * (k + 1), context, rows)
 
 
 @torch.inference_mode()
@@ -202,8 +243,9 @@ def profile_costs(target: Transformer, draft: Transformer | None, max_rows: int,
     batch_sizes = sorted({1 << i for i in range(max_rows.bit_length()) if 1 << i <= max_rows} | {max_rows})
     target_grid = _time_grid(target, batch_sizes, range(1, k_max + 2), context, reps)
     draft_grid = _time_grid(draft, batch_sizes, (1,), context, reps) if draft is not None else None
-    target_pts = _by_tokens(target_grid)
-    draft_pts = _by_tokens(draft_grid) if draft_grid is not None else None
+    target_curves = RowCurves({b: CostCurve({b * m: t for (b_, m), t in target_grid.items() if b_ == b})
+                               for b in batch_sizes})
+    draft_pts = {b: t for (b, _), t in draft_grid.items()} if draft_grid is not None else None
     long_context = 8 * context if long_context is None else long_context
     rows = min(max_rows, 16)  # a grid batch size; the per-position cost hardly depends on the rows
     shapes = list(dict.fromkeys([(rows, 1), (rows, min(2, k_max + 1)), (1, k_max + 1)]))
@@ -217,7 +259,7 @@ def profile_costs(target: Transformer, draft: Transformer | None, max_rows: int,
                            budget_s=SHAPE_BUDGET_S)
         catch_up = max(0.0, min(times) - draft_pts[1]) / context  # beyond one one-row forward
         draft_context_s = _context_slope(draft, draft_grid, [(rows, 1), (1, 1)], context, long_context, reps)
-    return CostModel(CostCurve(target_pts), CostCurve(draft_pts) if draft_pts else None, catch_up,
+    return CostModel(target_curves, CostCurve(draft_pts) if draft_pts else None, catch_up,
                           per_position=ContextCost(context, target_context_s, draft_context_s))
 
 
@@ -259,10 +301,3 @@ def _time_grid(model: Transformer, batch_sizes: list[int], widths: range | tuple
                 budget_s=SHAPE_BUDGET_S))
     return times
 
-
-def _by_tokens(grid: dict[tuple[int, int], float]) -> dict[int, float]:
-    """Grid times per scored-token count (B x m), shapes of the same count averaged."""
-    samples: dict[int, list[float]] = {}
-    for (b, m), t in grid.items():
-        samples.setdefault(b * m, []).append(t)
-    return {t: sum(v) / len(v) for t, v in samples.items()}

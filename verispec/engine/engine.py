@@ -487,8 +487,9 @@ class Engine:
         self.costs = profile_costs(self.target, self.draft, self.slots, k_max, context, reps, long_context)
         self.policy = CostPolicy(self.costs)
         c = self.costs
+        target = "; ".join(f"{b} rows {_fmt(curve.points)}" for b, curve in sorted(c.target.curves.items()))
         logger.info("costs at %d-token context: target %s, draft %s; per token and further position: "
-                    "target %.2g s, draft %.2g s", c.per_position.context, _fmt(c.target.points),
+                    "target %.2g s, draft %.2g s", c.per_position.context, target,
                     _fmt(c.draft.points) if c.draft else "-", c.per_position.target_s, c.per_position.draft_s)
         return self.costs
 
@@ -610,7 +611,7 @@ class Engine:
         report = self._run_step(rows)
         self.stats.record(report, policy_k)
         if self.costs is not None and not report.retried:
-            self.costs.observe_target(report.scored_tokens, report.score_s, report.context)
+            self.costs.observe_target(report.scored_tokens, report.score_s, report.context, report.span)
             self.costs.observe_catch_up(report.catch_ups, report.catch_up_tokens, report.catch_up_s)
             if self.costs.draft is not None and report.draft_forwards:
                 per_forward = (report.propose_s - report.catch_up_s) / report.draft_forwards
