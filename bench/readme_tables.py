@@ -470,7 +470,7 @@ def readme_table(root: Path, base: Path) -> str:
     head = "| method | tokens/s | vs plain |"
     sep = "|---|---:|---:|"
     # The code categories the run has, each a column of its own against llama.cpp.
-    code = [c for c in ("humaneval", "chat_code", "code_edit") if any(c in v for v in by_cat.values())]
+    code = [c for c in CODE_COLUMNS if any(c in v for v in by_cat.values())]
     if peer:
         head += " vs llama.cpp plain | Spec-Bench mean vs llama.cpp |" + "".join(
             f" {CODE_COLUMNS[c]} vs llama.cpp |" for c in code)

@@ -42,10 +42,6 @@ def modes(temperature: float, top_p: float, max_tokens: int) -> dict[str, tuple[
     }
 
 
-def run_once(engine: Engine, prompt: list[int], params: SamplingParams, spec: SpecConfig | None) -> Metrics:
-    return engine.generate(prompt, params, spec)[0].metrics
-
-
 def decode_tokens_per_s(m: Metrics) -> float:
     rest = m.total_s - m.stage_s["prefill"]
     return m.generated_tokens / rest if rest > 0 else float("nan")
@@ -83,7 +79,7 @@ def main() -> None:
         order = names if rep % 2 == 0 else names[::-1]
         for prompt in prompts:
             for name in order:
-                totals[name].merge(run_once(engine, prompt, *table[name]))
+                totals[name].merge(engine.generate(prompt, *table[name])[0].metrics)
         for name in names:
             per_repeat[name].append(totals[name])
             m = totals[name]

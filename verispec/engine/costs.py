@@ -3,8 +3,8 @@
 A target forward's time is a curve of the tokens it scores (rows x width) for each profiled
 number of rows, a lockstep draft forward's a curve of its rows; both are measured at a short
 context, and each scored token pays a measured per-position term for the context it attends to
-beyond that. :func:`profile_costs`
-measures them once; steps then correct the curves online (:meth:`CostModel.observe_target`).
+beyond that. :func:`profile_costs` measures them once; steps then correct the curves online
+(:meth:`CostModel.observe_target`).
 """
 
 from __future__ import annotations
