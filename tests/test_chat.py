@@ -172,8 +172,10 @@ def test_chat_in_a_terminal(tok_model, engine):
     cmd = ["-m", "verispec.cli", "chat", "--model", str(tok_model), "--draft", str(tok_model), "--dtype", "float32",
            "--max-len", str(MAX_LEN), "--max-tokens", "12", "--ignore-eos", "-k", "3", "--k-policy", "fixed",
            "--method", "draft", "--confidence", "0", "--draft-vocab", "0", "--draft-window", "0"]
+    # A shell without job control starts background commands with SIGINT ignored, and a child inherits
+    # that; a terminal user's chat gets Ctrl-C, so the child gets the default disposition back.
     child = pexpect.spawn(sys.executable, cmd, env=env, cwd=root, encoding="utf-8", timeout=180,
-                          dimensions=(40, 400))
+                          dimensions=(40, 400), preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         child.expect_exact(">>> ")
         child.sendintr()  # Ctrl-C at the prompt: a fresh prompt
