@@ -71,7 +71,7 @@ for step in $STEPS; do
                   # side by side and the verification stage's share of the scoring stage
       $PY bench/sampling_speed.py --max-tokens 128 --repeats 3 --out "$D" | tee "$D/sampling.txt" ;;
     verify_cost)  # the whole target forward's t(M)/t(1) per weight format, with a plot
-      $PY bench/verify_cost.py --formats dense,int8,int4 --reps 5 --decode-tokens 32 --out "$D" \
+      $PY bench/verify_cost.py --formats dense,int8,int4 --m-max 16 --reps 5 --decode-tokens 32 --out "$D" \
         | tee "$D/verify_cost.md" ;;
     kernels)      # per-projection t(M): PyTorch's stock kernels against verispec's small-M kernels
       $PY bench/kernel_bench.py | tee "$D/kernels.md" ;;

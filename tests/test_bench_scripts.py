@@ -1,5 +1,5 @@
-"""bench/sampling_speed.py end to end on tiny models: every mode side by side, ratios against greedy plain
-decoding's repeat, and the verification stage measured against the scoring stage."""
+"""Benchmark scripts of bench/ end to end on tiny models: sampling_speed (every mode side by side, ratios
+against greedy plain decoding's repeat, verification against scoring) and verify_cost (t(M) from the profile)."""
 
 from __future__ import annotations
 
@@ -36,3 +36,18 @@ def test_modes_side_by_side_with_verify_share(tmp_path, qwen2_tiny, qwen2_noisy_
     assert all(x["mean_accepted_length"] >= 1.0 for x in rows[3:])
     table = (out / "sampling_speed.md").read_text()
     assert "| plain, greedy |" in table and "verify / score" in table
+
+
+VERIFY_COST = Path(__file__).resolve().parents[1] / "bench" / "verify_cost.py"
+
+
+def test_verify_cost_curve_from_the_engine_profile(tmp_path, qwen2_tiny):
+    """bench/verify_cost.py reads t(M) for M = 1..m_max from the engine's one-row profile and plots it."""
+    r = subprocess.run([sys.executable, str(VERIFY_COST), "--model", qwen2_tiny.path, "--formats", "dense",
+                        "--dtype", "float32", "--m-max", "5", "--reps", "1", "--decode-tokens", "0",
+                        "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    row = json.loads((tmp_path / "verify_cost.json").read_text())["rows"][0]
+    assert len(row["t_ms"]) == 5 and all(t > 0 for t in row["t_ms"])
+    assert row["ratio"][0] == 1.0 and row["ratio"][4] == pytest.approx(row["t_ms"][4] / row["t_ms"][0])
+    assert (tmp_path / "verify_cost.png").is_file() and "| M=5 |" in r.stdout and "M=6" not in r.stdout
