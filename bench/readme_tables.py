@@ -122,6 +122,7 @@ def models_line(report: dict[str, Any]) -> str:
     m = report["models"]
     draft = f", draft {m['draft']} ({m['draft_weights']})" if m.get("draft") else ""
     kernels = {"verispec": "; int4/int8 layers on verispec's CPU kernels",
+               "verispec q8": "; int4/int8 layers on verispec's CPU kernels, int4 ones on 8-bit activations (q8)",
                "stock": "; int4/int8 layers on PyTorch's stock kernels"}.get(m.get("quantized_kernels"), "")
     return f"Models: target {m['target']} ({m['weights']}, {m['dtype']}){draft}{kernels}."
 
@@ -378,8 +379,13 @@ SECTIONS: list[tuple[str, str, str, Any]] = [
      "acceptance test, draw) against the scoring stage (the target forward), from the engine's stage timers.",
      lambda f, b: md_section(f, b, ["sampling_speed.md"], "sampling_speed.json")),
     ("verify_cost", "Verification cost of the whole target forward",
-     "`bench/verify_cost.py`: t(M)/t(1) for M scored tokens over a 64-token context, per weight format.",
+     "`bench/verify_cost.py`: t(M)/t(1) for M scored tokens over a 64-token context, per weight format; "
+     "`int4, q8`: the int4 layers on 8-bit activations (`--kernels q8`).",
      verify_cost_section),
+    ("q8", "8-bit activations end to end",
+     "`bench/q8_speed.py`: the int4 pair with `--kernels q8` (int4 layers on 8-bit activations, AVX-512 VNNI) "
+     "against verispec's bf16 kernels, two engines decoding the same report-split prompts, plainly and under "
+     "verispec's defaults, side by side.", lambda f, b: md_section(f, b, ["q8_speed.md"], "q8_speed.json")),
     ("draft_cost", "Draft cost ratio by draft weight format",
      "`bench/draft_cost.py`: one target step and one draft token timed on the same 64-token context (the "
      "minimum of 7); c is their ratio.", lambda f, b: md_section(f, b, ["draft_cost.md"])),

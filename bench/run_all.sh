@@ -8,7 +8,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-docs/results}
-STEPS=${STEPS:-plain humaneval full report code_edit advise two_process stability concurrency prefix_reuse server sampling verify_cost kernels fused_paths int4 int4_long draft_window draft_cost load compile}
+STEPS=${STEPS:-plain humaneval full report code_edit advise two_process stability concurrency prefix_reuse server sampling verify_cost kernels q8 fused_paths int4 int4_long draft_window draft_cost load compile}
 V=.venv/bin/verispec
 PY=.venv/bin/python
 PAIR=(--model qwen2.5-coder-1.5b-instruct --draft qwen2.5-coder-0.5b-instruct --dtype bfloat16 --weights dense
@@ -71,10 +71,13 @@ for step in $STEPS; do
                   # side by side and the verification stage's share of the scoring stage
       $PY bench/sampling_speed.py --max-tokens 128 --repeats 3 --out "$D" | tee "$D/sampling.txt" ;;
     verify_cost)  # the whole target forward's t(M)/t(1) per weight format, with a plot
-      $PY bench/verify_cost.py --formats dense,int8,int4 --m-max 16 --reps 5 --decode-tokens 32 --out "$D" \
+      $PY bench/verify_cost.py --formats dense,int8,int4 --kernels auto,q8 --m-max 16 --reps 5 --decode-tokens 32 \
+        --out "$D" \
         | tee "$D/verify_cost.md" ;;
-    kernels)      # per-projection t(M): PyTorch's stock kernels against verispec's small-M kernels
-      $PY bench/kernel_bench.py | tee "$D/kernels.md" ;;
+    kernels)      # per-projection t(M): PyTorch's stock kernels against verispec's small-M kernels (and q8)
+      $PY bench/kernel_bench.py --m-max 16 | tee "$D/kernels.md" ;;
+    q8)           # the int4 pair on 8-bit activations against the bf16 kernels, plain and the defaults
+      $PY bench/q8_speed.py --max-tokens 128 --repeats 2 --out "$D" | tee "$D/q8.txt" ;;
     fused_paths)  # fused attend against SDPA in the prefill; lean against module projection calls in decode
       $PY bench/fused_paths.py --json "$D/fused_paths.json" | tee "$D/fused_paths.md" ;;
     int4)         # int4 pair: every drafter and the cost policy, llama.cpp on the same GGUF files; 64 new tokens

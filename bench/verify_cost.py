@@ -1,16 +1,17 @@
-"""Verify-cost curve t(M)/t(1) of the whole target forward, per weight format.
+"""Verify-cost curve t(M)/t(1) of the whole target forward, per weight format and kernels.
 
-For each format the target is loaded and :meth:`Engine.profile` times forwards scoring
-M = 1..8 tokens on a short context (the median of ``--reps``); optionally plain greedy
-decoding speed too. Prints a table and writes ``verify_cost.json`` and ``verify_cost.png``
-into ``--out``. Usage:
+For each format (and each of ``--kernels``) the target is loaded and :meth:`Engine.profile` times
+forwards scoring M = 1..``--m-max`` tokens on a short context (the fastest of ``--reps``);
+optionally plain greedy decoding speed too. Prints a table and writes ``verify_cost.json`` and
+``verify_cost.png`` into ``--out``. Usage:
 
     python bench/verify_cost.py [--model qwen2.5-coder-1.5b-instruct] [--formats dense,int8,int4]
-                                [--dtype bfloat16] [--reps 3] [--decode-tokens 0] [--threads 0]
-                                [--kernels auto] --out DIR
+                                [--dtype bfloat16] [--m-max 8] [--reps 3] [--decode-tokens 0]
+                                [--threads 0] [--kernels auto[,q8][,stock]] --out DIR
 
-``--kernels stock`` times PyTorch's own int4/int8 kernels instead of verispec's (it sets
-``VERISPEC_KERNELS=stock`` for the run; see docs/quantization.md).
+``--kernels auto,q8`` puts the int4 layers on 8-bit activations (``q8``) beside verispec's bf16
+kernels; q8 changes int4 layers only, so it adds rows for int4 formats alone. ``stock`` times
+PyTorch's own int4/int8 kernels (see docs/quantization.md).
 """
 
 from __future__ import annotations
@@ -18,24 +19,25 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 from pathlib import Path
 
 import torch
 
 from verispec import Engine, SamplingParams
 from verispec.bench.hardware import machine
+from verispec.kernels import KERNEL_CHOICES, q8_available
 from verispec.models.linear import WEIGHT_FORMATS
 
 PROMPT = "Write a Python function that returns the n-th prime number, with a docstring and tests."
 
 
-def measure(model: str, fmt: str, dtype: str, m_max: int, reps: int, decode_tokens: int) -> dict:
-    engine = Engine.from_pretrained(model, dtype=dtype, weights=fmt, max_len=512, progress=False)
+def measure(model: str, fmt: str, kernels: str, dtype: str, m_max: int, reps: int, decode_tokens: int) -> dict:
+    engine = Engine.from_pretrained(model, dtype=dtype, weights=fmt, max_len=512, progress=False, kernels=kernels)
     engine.profile(m_max - 1, reps=1)  # warm-up
     one_row = engine.profile(m_max - 1, reps=reps).target.curves[1].points  # scored tokens -> fastest seconds
     verify_s = [one_row[m] for m in range(1, m_max + 1)]
-    row = {"format": fmt, "dtype": str(engine.target.dtype).removeprefix("torch."),
+    row = {"format": fmt if kernels == "auto" else f"{fmt}, {kernels}", "kernels": kernels,
+           "dtype": str(engine.target.dtype).removeprefix("torch."),
            "t_ms": [t * 1e3 for t in verify_s], "ratio": [t / verify_s[0] for t in verify_s]}
     if decode_tokens:
         ids = engine.encode(PROMPT, chat=engine.tokenizer is not None)
@@ -78,16 +80,20 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--decode-tokens", type=int, default=0, help="also time plain greedy decoding of this many tokens")
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
-    ap.add_argument("--kernels", choices=("auto", "stock"), default="auto", help="int4/int8 matmul kernels")
+    ap.add_argument("--kernels", default="auto", help="comma-separated int4/int8 matmul kernels: auto, q8, stock")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    if args.kernels == "stock":
-        os.environ["VERISPEC_KERNELS"] = "stock"  # read when the first quantized layer is built
+    kernels = args.kernels.split(",")
+    if unknown := set(kernels) - set(KERNEL_CHOICES):
+        ap.error(f"unknown kernels {', '.join(sorted(unknown))} (choose from {', '.join(KERNEL_CHOICES)})")
+    if "q8" in kernels and not q8_available():
+        print("no q8 rows: 8-bit activations need verispec's kernels and AVX-512 VNNI")
+        kernels.remove("q8")
     if args.threads:
         torch.set_num_threads(args.threads)  # on a shared CPU, fewer threads than cores time far steadier
 
-    rows = [measure(args.model, f, args.dtype, args.m_max, args.reps, args.decode_tokens)
-            for f in args.formats.split(",")]
+    rows = [measure(args.model, f, kern, args.dtype, args.m_max, args.reps, args.decode_tokens)
+            for f in args.formats.split(",") for kern in kernels if kern != "q8" or f.startswith("int4")]
     info = machine()
     title = (f"{args.model} ({args.dtype}, {args.kernels} kernels) · {info['cpu']}, {info['threads']} threads"
              f" · {info['date']}")

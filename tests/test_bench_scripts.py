@@ -1,5 +1,6 @@
 """Benchmark scripts of bench/ end to end on tiny models: sampling_speed (every mode side by side, ratios
-against greedy plain decoding's repeat, verification against scoring) and verify_cost (t(M) from the profile)."""
+against greedy plain decoding's repeat, verification against scoring), verify_cost (t(M) from the profile) and
+q8_speed (both kernels side by side)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from verispec import kernels
 
 SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "sampling_speed.py"
 
@@ -51,3 +54,28 @@ def test_verify_cost_curve_from_the_engine_profile(tmp_path, qwen2_tiny):
     assert len(row["t_ms"]) == 5 and all(t > 0 for t in row["t_ms"])
     assert row["ratio"][0] == 1.0 and row["ratio"][4] == pytest.approx(row["t_ms"][4] / row["t_ms"][0])
     assert (tmp_path / "verify_cost.png").is_file() and "| M=5 |" in r.stdout and "M=6" not in r.stdout
+
+
+Q8_SPEED = Path(__file__).resolve().parents[1] / "bench" / "q8_speed.py"
+
+
+@pytest.mark.skipif(not (kernels.available() and kernels.q8_available()),
+                    reason="8-bit activations need the fast kernels and AVX-512 VNNI")
+def test_q8_speed_side_by_side(tmp_path, qwen2_tiny, qwen2_noisy_draft_tiny):
+    """bench/q8_speed.py decodes every prompt under both kernels, plainly and with the defaults, and divides
+    each method's tokens/s by the bf16 kernels' per repeat."""
+    r = subprocess.run([sys.executable, str(Q8_SPEED), "--model", qwen2_tiny.path, "--draft",
+                        qwen2_noisy_draft_tiny.path, "--dtype", "bfloat16", "--weights", "int4", "--draft-weights",
+                        "int4", "--max-tokens", "6", "--max-len", "512", "--per-set", "1", "--repeats", "2",
+                        "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    data = json.loads((tmp_path / "q8_speed.json").read_text())
+    rows = {(x["kernels"], x["method"]): x for x in data["rows"]}
+    assert list(rows) == [(kern, method) for kern in ("auto", "q8") for method in ("plain", "hybrid (defaults)")]
+    for (kern, method), x in rows.items():
+        assert len(x["vs_auto_runs"]) == 2 and x["tokens_per_s"] > 0 and x["decode_tokens_per_s"] >= x["tokens_per_s"]
+        if kern == "auto":
+            assert x["vs_auto_runs"] == [1.0, 1.0]
+        assert x["mean_accepted_length"] == 1.0 if method == "plain" else x["mean_accepted_length"] >= 1.0
+    assert data["prompts"] == 6 + 3 and 0 <= data["plain_identical"] <= data["prompts"]
+    assert "| q8 | hybrid (defaults) |" in (tmp_path / "q8_speed.md").read_text()

@@ -62,6 +62,8 @@ def cpu_has_avx512_bf16() -> bool:
 
 FAST = kernels.available()
 fast_only = pytest.mark.skipif(not FAST, reason=f"fast kernels unavailable: {kernels.why_unavailable()}")
+Q8 = FAST and kernels.q8_available()
+q8_only = pytest.mark.skipif(not Q8, reason="8-bit activations need the fast kernels and AVX-512 VNNI")
 
 
 def test_fast_kernels_run_where_the_cpu_has_them():
@@ -174,6 +176,42 @@ def test_int4_kernel_matches_reference(n, k, m):
     torch.testing.assert_close(yb, y32 + bias.float(), rtol=0, atol=1e-4 * float(ref.abs().max()))
 
 
+def q8_reference(x: torch.Tensor, w: Int4Weight) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, S) in fp64 for 8-bit activations: per row and group of 32, codes round(x * 127 / max|x|)
+    (fp32, nearest even, as the kernel) times the weight's (q - 8) * scale, plus zero * sum(x);
+    S is the sum of the terms' magnitudes."""
+    m, k = x.shape
+    xf = x.float().view(m, k // 32, 32)
+    amax = xf.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    xq = torch.round(xf * inv).double()
+    sz = w.stock_scales_and_zeros().double()  # [K/32, N, 2]
+    q = w.codes().double().view(-1, k // 32, 32) - 8  # [N, K/32, 32]
+    dot = torch.einsum("mgk,ngk->mng", xq, q)
+    step = (amax.double() / 127.0).squeeze(-1)[:, None, :] * sz[..., 0].t()[None]  # [M, N, K/32]
+    zero = sz[..., 1].t()[None] * xf.double().sum(-1)[:, None, :]
+    mag = torch.einsum("mgk,ngk->mng", xq.abs(), q.abs()) * step.abs() + zero.abs()
+    return (dot * step + zero).sum(-1), mag.sum(-1)
+
+
+@q8_only
+@pytest.mark.parametrize("n,k", [(16, 32), (48, 96), (64, 256), (1024, 1536), (96, 8960)])
+@pytest.mark.parametrize("m", [*range(1, 9), 11, 17])
+def test_int4_kernel_with_8_bit_activations(n, k, m):
+    w = random_int4(n, k, m)
+    v = w.to_layout("vs16")
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
+    x[0, :32] = 0  # an all-zero group: scale 0, codes 0
+    ref, mag = q8_reference(x, w)
+    y32 = kernels.int4_mm(x, v.packed, v.scales_and_zeros, n, out_dtype=torch.float32, q8=True)
+    assert ((y32.double() - ref).abs() <= 1e-5 * mag + 1e-30).all()  # fp32 accumulation only
+    y16 = kernels.int4_mm(x, v.packed, v.scales_and_zeros, n, q8=True)
+    assert y16.dtype == torch.bfloat16 and ((y16.double() - ref).abs() <= 2.0 ** -8 * ref.abs() + 1e-5 * mag).all()
+    # Against the bf16 activations: the quantization's error, about half a step of 1/127 per group.
+    exact = x.float() @ w.dequantize().t()
+    assert (y32 - exact).norm() <= 0.02 * exact.norm()
+
+
 @fast_only
 @pytest.mark.parametrize("n,k", [(16, 32), (40, 64), (33, 98), (1000, 1536), (64, 8960)])
 @pytest.mark.parametrize("m", [*range(1, 9), 11, 17])
@@ -219,16 +257,18 @@ def test_bf16_kernel_matches_reference(n, k, m):
 
 
 @fast_only
-@pytest.mark.parametrize("fmt", ["int4", "int8", "bf16"])
+@pytest.mark.parametrize("fmt", ["int4", "int4-q8", "int8", "bf16"])
 def test_a_row_gives_the_same_bits_alone_or_with_others(fmt):
     # Verifying k+1 tokens at once must score each exactly as decoding it alone would.
     n, k = 256, 512
     x = torch.randn(13, k).to(torch.bfloat16)
-    if fmt == "int4":
+    if fmt.startswith("int4"):
         v = random_int4(n, k).to_layout("vs16")
+        if fmt == "int4-q8" and not Q8:
+            pytest.skip("8-bit activations need AVX-512 VNNI")
 
         def run(rows):
-            return kernels.int4_mm(rows, v.packed, v.scales_and_zeros, n)
+            return kernels.int4_mm(rows, v.packed, v.scales_and_zeros, n, q8=fmt == "int4-q8")
     elif fmt == "int8":
         v = random_int8(n, k).to_layout("vs16")
 
@@ -543,6 +583,39 @@ def test_bf16_speculative_decoding_matches_plain_decoding(bf16_dense_model):
     for k in (3, 12):  # 12: blocks of 13 rows, past one pass of 8
         spec = SpecConfig(k_policy="fixed", method="layerskip", k=k, layers=2)
         assert [r.token_ids for r in engine.generate(PROMPTS, params, spec=spec)] == plain, k
+
+
+@q8_only
+def test_q8_speculative_decoding_matches_plain_decoding(tmp_path):
+    # 8-bit activations are quantized per row, so they keep every row independent of the rows beside
+    # it: plain decoding and greedy speculation share them and agree token for token.
+    make_tiny(tmp_path, arch="qwen2", vocab=96, layers=4, dim=64, heads=4, kv_heads=2, seed=5, scale=3.0)
+    auto, q8 = (build_model(open_source(tmp_path), torch.bfloat16, "int4", progress=False, kernels=kern)
+                for kern in ("auto", "q8"))
+    lins = [m for m in q8.modules() if isinstance(m, Int4Linear)]
+    assert lins and all(m.fast and m.q8 for m in lins)
+    assert not any(m.q8 for m in auto.modules() if isinstance(m, Int4Linear))
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    engines = {name: Engine(EngineConfig(model="tiny", dtype="bfloat16", max_len=96, progress=False), m, None, {1})
+               for name, m in (("auto", auto), ("q8", q8))}
+    plain = {name: [r.token_ids for r in e.generate(PROMPTS, params)] for name, e in engines.items()}
+    assert len({tuple(t) for t in plain["q8"]}) > 1
+    for k in (3, 12):  # 12: blocks of 13 rows, past one pass of 8
+        spec = SpecConfig(k_policy="fixed", method="layerskip", k=k, layers=2)
+        assert [r.token_ids for r in engines["q8"].generate(PROMPTS, params, spec=spec)] == plain["q8"], k
+    # The quantization moves the logits (this tiny model's large random weights amplify it; the real
+    # model's agreement is checked in test_real_models): teacher-forced on the same text.
+    seq = torch.tensor([PROMPTS[1] + plain["auto"][1]])
+    pos = torch.arange(seq.shape[1])[None]
+    with torch.inference_mode():
+        a, b = (m(seq, pos, m.new_cache(1, 64))[0].float() for m in (auto, q8))
+    assert 0 < (a - b).norm() <= 0.2 * a.norm()
+
+
+def test_q8_where_the_cpu_cannot_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(kernels, "q8_available", lambda: False)
+    with pytest.raises(VerispecError, match="q8 needs .*AVX-512 VNNI"):
+        make_linear(torch.randn(64, 64), None, "int4", torch.bfloat16, kernels="q8")
 
 
 # Prompts longer than SMALL_M, so that their prefill runs the Python path (and its projections see

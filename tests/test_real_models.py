@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from verispec import Engine, SamplingParams, SpecConfig, VerispecError, hub
+from verispec import Engine, SamplingParams, SpecConfig, VerispecError, hub, kernels
 from verispec.bench import datasets
 from verispec.cli import main
 from verispec.config import DEFAULT_SPEC, PLAIN
@@ -118,6 +118,30 @@ def test_speculative_greedy_equals_plain_on_real_pair(pair: Engine) -> None:
             assert total > 0, "the same-family draft should get some tokens accepted"
             steps = sum(r.metrics.steps for r in spec_out)
             assert steps < sum(r.metrics.steps for r in plain)
+
+
+@pytest.mark.skipif(not (kernels.available() and kernels.q8_available()), reason="8-bit activations need AVX-512 VNNI")
+def test_q8_kernels_keep_the_int4_pair_lossless_and_close_to_bf16_activations() -> None:
+    """``kernels="q8"`` (int4 layers on 8-bit activations): speculation still reproduces plain decoding
+    token for token, and teacher-forced on bf16-activation text the greedy choice rarely moves."""
+    _require_installed(TARGET, DRAFT)
+    texts = [p.text for p in _spec_bench_prompts()[:2]] + [PROMPTS[0]]
+    params = SamplingParams(max_tokens=48, ignore_eos=True)
+    engines = {kern: Engine.from_pretrained(TARGET, draft=DRAFT, dtype="bfloat16", weights="int4",
+                                            draft_weights="int4-all", max_len=1024, progress=False, kernels=kern)
+               for kern in ("auto", "q8")}
+    q8 = engines["q8"]
+    plain = q8.generate(texts, params, chat=True)
+    assert [r.token_ids for r in q8.generate(texts, params, DEFAULT_SPEC, chat=True)] == [r.token_ids for r in plain]
+    agree = total = 0
+    for text, res in zip(texts, engines["auto"].generate(texts, params, chat=True), strict=True):
+        seq = torch.tensor([q8.encode(text, chat=True) + res.token_ids])
+        pos = torch.arange(seq.shape[1])[None]
+        with torch.inference_mode():
+            a, b = (e.target(seq, pos, e.target.new_cache(1, seq.shape[1]))[0, -len(res.token_ids):].argmax(-1)
+                    for e in engines.values())
+        agree, total = agree + int((a == b).sum()), total + len(res.token_ids)
+    assert agree >= 0.95 * total, f"{agree} of {total}"
 
 
 def test_batched_greedy_equals_each_request_alone_on_real_pair(pair: Engine) -> None:

@@ -69,7 +69,9 @@ class EngineConfig:
     target_device: str | None = None  # None: device
     draft_device: str | None = None  # None: device
     tp: int = 1  # tensor-parallel ranks for the target (see verispec.parallel.tp; launched with torchrun)
-    kernels: str = "auto"  # int4/int8 matmuls: "auto" (verispec's small-M kernels where the CPU runs them) or "stock"
+    # int4/int8 matmuls: "auto" (verispec's small-M kernels where the CPU runs them), "q8" (the same, int4 layers on
+    # 8-bit activations: AVX-512 VNNI) or "stock" (PyTorch's); see verispec.kernels.KERNEL_CHOICES
+    kernels: str = "auto"
     max_batch: int = 1
     memory_limit: int | None = None
     kv_budget_tokens: int | None = None

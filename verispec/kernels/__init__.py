@@ -39,7 +39,9 @@ import torch
 from verispec import hub
 from verispec.log import logger
 
-KERNEL_CHOICES = ("auto", "stock")
+# auto: verispec's kernels where the CPU runs them (else PyTorch's); q8: the same, int4 layers multiplying
+# activations quantized to 8 bits per group of 32 (AVX-512 VNNI); stock: PyTorch's.
+KERNEL_CHOICES = ("auto", "q8", "stock")
 # wo_gemm.cpp: the module (PYBIND11_MODULE) and the matmuls; small_ops.cpp: the fused small ops it registers.
 _SOURCES = (Path(__file__).with_name("wo_gemm.cpp"), Path(__file__).with_name("small_ops.cpp"))
 _CFLAGS = ["-O3", "-fopenmp"]  # plus -DVS_NS=<op namespace>
@@ -128,7 +130,7 @@ def _register_fakes(namespace: str) -> None:
         return x.new_empty((rows, n), dtype=torch.float32 if out_fp32 else torch.bfloat16)
 
     @torch.library.register_fake(f"{namespace}::int4_mm")
-    def _int4(x, w, sz, n, bias, out_fp32):  # noqa: ANN001, ANN202 - the schema's arguments
+    def _int4(x, w, sz, n, bias, out_fp32, q8=False):  # noqa: ANN001, ANN202 - the schema's arguments
         return out(x, n, out_fp32, x.shape[0])
 
     @torch.library.register_fake(f"{namespace}::int8_mm")
@@ -169,12 +171,24 @@ def why_unavailable() -> str:
 
 
 def use_fast(kernels: str) -> bool:
-    """Whether a layer built with ``kernels`` ("auto" or "stock") should use the fast kernels."""
-    if kernels not in KERNEL_CHOICES:
-        from verispec.errors import VerispecError
+    """Whether a layer built with ``kernels`` (see :data:`KERNEL_CHOICES`) should use the fast kernels.
 
+    ``q8`` where this CPU cannot run 8-bit activations is an error, not a silent fallback: it changes
+    the numbers a model computes, so it runs exactly where it was asked for.
+    """
+    from verispec.errors import VerispecError
+
+    if kernels not in KERNEL_CHOICES:
         raise VerispecError(f"unknown kernels '{kernels}' (choose from {', '.join(KERNEL_CHOICES)})")
-    return kernels == "auto" and available()
+    if kernels == "q8" and not q8_available():
+        why = why_unavailable() or "this CPU lacks AVX-512 VNNI"
+        raise VerispecError(f"--kernels q8 needs verispec's kernels and AVX-512 VNNI ({why}); use auto or stock")
+    return kernels != "stock" and available()
+
+
+def q8_available() -> bool:
+    """Whether int4 layers can multiply 8-bit activations here (the kernels run and the CPU has AVX-512 VNNI)."""
+    return available() and bool(ext().cpu_supports_vnni())
 
 
 def _ext() -> ModuleType:
@@ -209,13 +223,15 @@ def int4_from_stock(packed: torch.Tensor, n: int, k: int, rows_of_nibble: torch.
 
 
 def int4_mm(x: torch.Tensor, packed: torch.Tensor, sz: torch.Tensor, n: int, bias: torch.Tensor | None = None,
-            out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+            out_dtype: torch.dtype = torch.bfloat16, q8: bool = False) -> torch.Tensor:
     """``x @ w.T (+ bias)`` for x [M, K] (cast to bf16, as the stock kernel does); fp32 accumulation,
-    output in ``out_dtype`` (fp32, or rounded once to bf16)."""
+    output in ``out_dtype`` (fp32, or rounded once to bf16). ``q8``: each row of x quantized to 8 bits
+    per group of 32 (scale max|x| / 127) and multiplied in integers (AVX-512 VNNI, see
+    :func:`q8_available`)."""
     x = x.to(torch.bfloat16).contiguous()
     if torch.compiler.is_compiling():
-        return _OPS.int4_mm(x, packed, sz, n, bias, out_dtype == torch.float32)
-    return (_EXT or _ext()).int4_mm(x, packed, sz, n, bias, out_dtype == torch.float32)
+        return _OPS.int4_mm(x, packed, sz, n, bias, out_dtype == torch.float32, q8)
+    return (_EXT or _ext()).int4_mm(x, packed, sz, n, bias, out_dtype == torch.float32, q8)
 
 
 def int4_dequant(packed: torch.Tensor, sz: torch.Tensor, n: int, k: int,

@@ -14,6 +14,9 @@
 //   32-entry table turn a chunk into four tiles of exact bf16 values q - 8.
 //   Scales and zeros: [N/16, K/32, 16] dwords, bf16 scale in the low half and bf16 zero in the
 //   high half (PyTorch's [.., 2] order): y += scale * sum(q-8)x + zero * sum(x) per group of 32.
+//   With 8-bit activations (q8, AVX-512 VNNI) the same bytes feed vpdpbusd: dword i of a chunk is row
+//   i's eight codes, its low nibbles those of k = 0, 4, 1, 5 and its high nibbles k = 2, 6, 3, 7 (of
+//   the chunk), so each row's activations are quantized in that order and no weight is repacked.
 // int8 layout: [ceil(N/16), K/2, 16, 2] (rows padded with zeros to a multiple of 16); a pair
 //   chunk of 32 bytes converts (sign-extend, int -> fp32 -> bf16, exact) into one tile.
 // bf16 layout: the same [ceil(N/16), K/2, 16, 2] with bf16 values: every 64 bytes are a tile as
@@ -45,6 +48,7 @@ namespace {
 
 #define VS_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,f16c")))
 #define VS_AVX512_VBMI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi")))
+#define VS_AVX512_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma")))
 
 constexpr int64_t BN = 16;  // output rows per block (one zmm of fp32)
 constexpr int64_t MB = 8;   // activation rows per pass over a block
@@ -60,6 +64,15 @@ bool cpu_supported() {
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
          __builtin_cpu_supports("avx512bf16");
+#else
+  return false;
+#endif
+}
+
+bool cpu_supports_vnni() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_cpu_init();
+  return cpu_supported() && __builtin_cpu_supports("avx512vnni");
 #else
   return false;
 #endif
@@ -140,6 +153,117 @@ VS_AVX512 void int4_rows(const uint8_t* w, const uint32_t* sz, const uint16_t* x
       case 6: int4_block<6>(w, sz, xm, k, xsm, groups, groups, o); break;
       case 7: int4_block<7>(w, sz, xm, k, xsm, groups, groups, o); break;
       default: int4_block<8>(w, sz, xm, k, xsm, groups, groups, o); break;
+    }
+  }
+}
+
+// ---- int4 x 8-bit activations (q8) -------------------------------------------------------
+
+// Each row's activations in groups of 32 (the weights' groups), as llama.cpp's Q8_0: codes
+// round(x * 127 / max|x|) in the chunk order of the int4 layout (k = 0, 4, 1, 5, 2, 6, 3, 7 per 8),
+// the group's scale max|x| / 127, -8 times the codes' sum (the weights' offset, folded into the
+// integer accumulator) and the fp32 sum of x (for the zero points). Per row: a row's result never
+// depends on the rows beside it.
+VS_AVX512 void quantize_groups(const uint16_t* x, int64_t rows, int64_t k, int8_t* xq, float* xscale,
+                               int32_t* offset, float* xsum) {
+  const int64_t groups = k / GS;
+  const __m512 abs_mask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
+  const __m256i order = _mm256_setr_epi8(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15,
+                                         0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint16_t* p = x + r * k + g * GS;
+      const __m512 lo = _mm512_castsi512_ps(
+          _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+      const __m512 hi = _mm512_castsi512_ps(
+          _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16))), 16));
+      const float amax =
+          _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(lo, abs_mask), _mm512_and_ps(hi, abs_mask)));
+      const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+      const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv));  // round to nearest even
+      const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv));
+      const __m256i bytes = _mm256_set_m128i(_mm512_cvtepi32_epi8(qhi), _mm512_cvtepi32_epi8(qlo));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + r * k + g * GS), _mm256_shuffle_epi8(bytes, order));
+      const int64_t i = r * groups + g;
+      xscale[i] = amax / 127.0f;
+      offset[i] = -8 * _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+      xsum[i] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
+    }
+  }
+}
+
+// One 16-row block against M rows of quantized x: per group, sum (q - 8) * xq in int32 (vpdpbusd:
+// unsigned codes times signed activations, four k per lane), then scale * xscale * that + zero * xsum.
+template <int M>
+VS_AVX512_VNNI inline void q8_block(const uint8_t* __restrict w, const uint32_t* __restrict sz,
+                                    const int8_t* __restrict xq, int64_t ldx, const float* __restrict xscale,
+                                    const int32_t* __restrict offset, const float* __restrict xsum, int64_t ldg,
+                                    int64_t groups, float* __restrict out) {
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  const __m512i hi_mask = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  __m512 y[M];
+  for (int m = 0; m < M; ++m) y[m] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    // Two integer accumulators per row (low and high nibbles): half as long dependency chains, and
+    // integer sums are exact in any order.
+    __m512i a[M], b[M];
+    for (int m = 0; m < M; ++m) {
+      a[m] = _mm512_set1_epi32(offset[m * ldg + g]);
+      b[m] = _mm512_setzero_si512();
+    }
+    const uint8_t* wg = w + g * 256;
+    _mm_prefetch(reinterpret_cast<const char*>(sz + g * 16) + PREFETCH / 4, _MM_HINT_T0);
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) {
+      _mm_prefetch(reinterpret_cast<const char*>(wg + c * 64 + PREFETCH), _MM_HINT_T0);
+      const __m512i d = _mm512_loadu_si512(wg + c * 64);
+      const __m512i lo = _mm512_and_si512(d, nibble);
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(d, 4), nibble);
+#pragma GCC unroll 8
+      for (int m = 0; m < M; ++m) {
+        const int32_t* xp = reinterpret_cast<const int32_t*>(xq + m * ldx + g * GS + c * 8);
+        a[m] = _mm512_dpbusd_epi32(a[m], lo, _mm512_set1_epi32(xp[0]));
+        b[m] = _mm512_dpbusd_epi32(b[m], hi, _mm512_set1_epi32(xp[1]));
+      }
+    }
+    const __m512i s2 = _mm512_loadu_si512(sz + g * 16);
+    const __m512 sc = _mm512_castsi512_ps(_mm512_slli_epi32(s2, 16));
+    const __m512 zr = _mm512_castsi512_ps(_mm512_and_si512(s2, hi_mask));
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) {
+      const __m512 s = _mm512_mul_ps(sc, _mm512_set1_ps(xscale[m * ldg + g]));
+      y[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(a[m], b[m])), s, y[m]);
+      y[m] = _mm512_fmadd_ps(_mm512_set1_ps(xsum[m * ldg + g]), zr, y[m]);
+    }
+  }
+  for (int m = 0; m < M; ++m) _mm512_storeu_ps(out + m * BN, y[m]);
+}
+
+struct Q8Rows {
+  const int8_t* xq;
+  const float* xscale;
+  const int32_t* offset;
+  const float* xsum;
+};
+
+VS_AVX512_VNNI void q8_rows(const uint8_t* w, const uint32_t* sz, const Q8Rows& x, int64_t k, int64_t rows,
+                            float* out) {
+  const int64_t groups = k / GS;
+  for (int64_t m0 = 0; m0 < rows; m0 += MB) {
+    const int8_t* xm = x.xq + m0 * k;
+    const int64_t o = m0 * groups;
+    const float *xs = x.xscale + o, *xt = x.xsum + o;
+    const int32_t* off = x.offset + o;
+    float* po = out + m0 * BN;
+    switch (std::min(MB, rows - m0)) {
+      case 1: q8_block<1>(w, sz, xm, k, xs, off, xt, groups, groups, po); break;
+      case 2: q8_block<2>(w, sz, xm, k, xs, off, xt, groups, groups, po); break;
+      case 3: q8_block<3>(w, sz, xm, k, xs, off, xt, groups, groups, po); break;
+      case 4: q8_block<4>(w, sz, xm, k, xs, off, xt, groups, groups, po); break;
+      case 5: q8_block<5>(w, sz, xm, k, xs, off, xt, groups, groups, po); break;
+      case 6: q8_block<6>(w, sz, xm, k, xs, off, xt, groups, groups, po); break;
+      case 7: q8_block<7>(w, sz, xm, k, xs, off, xt, groups, groups, po); break;
+      default: q8_block<8>(w, sz, xm, k, xs, off, xt, groups, groups, po); break;
     }
   }
 }
@@ -317,9 +441,12 @@ void set_epilogue_out(Epilogue& e, const torch::Tensor& y, const c10::optional<t
 // ---- entry points ------------------------------------------------------------------------------
 
 // x: bf16 [M, K]; w: int4 layout above; sz: bf16 [N/16, K/32, 16, 2]. Returns [M, N] (fp32 or bf16).
+// q8: x's rows quantized to 8 bits per group of 32 (AVX-512 VNNI), else x as bf16.
 torch::Tensor int4_mm(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& sz, int64_t n,
-                      const c10::optional<torch::Tensor>& bias, bool out_fp32) {
+                      const c10::optional<torch::Tensor>& bias, bool out_fp32, bool q8) {
   check_cpu();
+  static const bool vnni = cpu_supports_vnni();
+  TORCH_CHECK(!q8 || vnni, "verispec kernels: 8-bit activations need AVX-512 VNNI, which this CPU lacks");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.is_contiguous(), "x: contiguous bf16 [M, K]");
   const int64_t m = x.size(0), k = x.size(1);
   TORCH_CHECK(k % GS == 0 && n % BN == 0, "int4_mm: K % 32 == 0 and N % 16 == 0 required");
@@ -331,7 +458,18 @@ torch::Tensor int4_mm(const torch::Tensor& x, const torch::Tensor& w, const torc
   const int64_t groups = k / GS, blocks = n / BN;
   std::vector<float> xs(m * groups);
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
-  group_sums(xp, m, k, xs.data());
+  std::vector<int8_t> xq;
+  std::vector<float> xscale;
+  std::vector<int32_t> offset;
+  if (q8) {
+    xq.resize(m * k);
+    xscale.resize(m * groups);
+    offset.resize(m * groups);
+    quantize_groups(xp, m, k, xq.data(), xscale.data(), offset.data(), xs.data());
+  } else {
+    group_sums(xp, m, k, xs.data());
+  }
+  const Q8Rows rows{xq.data(), xscale.data(), offset.data(), xs.data()};
   Epilogue e;
   e.n = n;
   e.rows = m;
@@ -341,7 +479,11 @@ torch::Tensor int4_mm(const torch::Tensor& x, const torch::Tensor& w, const torc
   at::parallel_for(0, blocks, grain_for(k * BN / 2), [&](int64_t b0, int64_t b1) {
     std::vector<float> acc(m * BN);
     for (int64_t b = b0; b < b1; ++b) {
-      int4_rows(wp + b * (k * BN / 2), szp + b * groups * BN, xp, k, xs.data(), m, acc.data());
+      if (q8) {
+        q8_rows(wp + b * (k * BN / 2), szp + b * groups * BN, rows, k, m, acc.data());
+      } else {
+        int4_rows(wp + b * (k * BN / 2), szp + b * groups * BN, xp, k, xs.data(), m, acc.data());
+      }
       finish_block(e, acc.data(), b * BN);
     }
   });
@@ -873,7 +1015,7 @@ bool cpu_runs_kernels() { return cpu_supported(); }  // small_ops.cpp checks the
 }
 
 TORCH_LIBRARY(VS_NS, m) {
-  m.def("int4_mm(Tensor x, Tensor w, Tensor sz, int n, Tensor? bias, bool out_fp32) -> Tensor");
+  m.def("int4_mm(Tensor x, Tensor w, Tensor sz, int n, Tensor? bias, bool out_fp32, bool q8=False) -> Tensor");
   m.def("int8_mm(Tensor x, Tensor w, Tensor scale, int n, int splits, Tensor? bias, bool out_fp32) -> Tensor");
   m.def("bf16_mm(Tensor x, Tensor w, int n, Tensor? bias, bool out_fp32) -> Tensor");
 }
@@ -887,8 +1029,9 @@ TORCH_LIBRARY_IMPL(VS_NS, CPU, m) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "verispec weight-only int4/int8 and bf16 GEMM for small M (AVX-512 BF16)";
   m.def("cpu_supported", &cpu_supported, "whether this CPU runs the kernels (AVX-512 F/BW/VL/DQ/BF16)");
+  m.def("cpu_supports_vnni", &cpu_supports_vnni, "whether this CPU also runs 8-bit activations (AVX-512 VNNI)");
   m.def("int4_mm", &int4_mm, "y = x @ dequant(w).T", py::arg("x"), py::arg("w"), py::arg("sz"), py::arg("n"),
-        py::arg("bias") = py::none(), py::arg("out_fp32") = false);
+        py::arg("bias") = py::none(), py::arg("out_fp32") = false, py::arg("q8") = false);
   m.def("int8_mm", &int8_mm, "y = x @ (q * scale).T", py::arg("x"), py::arg("w"), py::arg("scale"), py::arg("n"),
         py::arg("splits") = 1, py::arg("bias") = py::none(), py::arg("out_fp32") = false);
   m.def("bf16_mm", &bf16_mm, "y = x @ w.T", py::arg("x"), py::arg("w"), py::arg("n"), py::arg("bias") = py::none(),

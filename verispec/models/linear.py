@@ -531,6 +531,7 @@ class Int4Linear(nn.Module):
         self.group_size = weight.group_size
         self.fast = (fast_kernels.use_fast(kernels) and weight.packed.device.type == "cpu"
                      and self.group_size == 32)
+        self.q8 = self.fast and kernels == "q8"  # 8-bit activations (see verispec.kernels.int4_mm)
         weight = weight.to_layout("vs16" if self.fast else "cpu")
         self.register_buffer("qweight", weight.packed)
         self.register_buffer("scales_and_zeros", weight.scales_and_zeros)
@@ -544,7 +545,7 @@ class Int4Linear(nn.Module):
         if self.fast:
             out = torch.float32 if x.dtype == torch.float32 else torch.bfloat16
             bias = self.bias if self.bias is None or self.bias.dtype in (torch.float32, torch.bfloat16) else None
-            y = fast_kernels.int4_mm(x2, self.qweight, self.scales_and_zeros, self.out_features, bias, out)
+            y = fast_kernels.int4_mm(x2, self.qweight, self.scales_and_zeros, self.out_features, bias, out, self.q8)
             y = y.to(x.dtype).reshape(*shape[:-1], -1)
             return y if bias is not None or self.bias is None else y + self.bias
         if self.qweight.is_cuda:
@@ -560,7 +561,7 @@ class Int4Linear(nn.Module):
         if self.fast and x.dtype in (torch.bfloat16, torch.float32):
             xb = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)
             return fast_kernels.ext().int4_mm(xb, self.qweight, self.scales_and_zeros, self.out_features, self.bias,
-                                              x.dtype == torch.float32)
+                                              x.dtype == torch.float32, self.q8)
         return self.forward(x)
 
     def _expand(self, r0: int, r1: int, out: torch.Tensor) -> torch.Tensor:
