@@ -176,19 +176,32 @@ def test_int4_kernel_matches_reference(n, k, m):
     torch.testing.assert_close(yb, y32 + bias.float(), rtol=0, atol=1e-4 * float(ref.abs().max()))
 
 
-def q8_reference(x: torch.Tensor, w: Int4Weight) -> tuple[torch.Tensor, torch.Tensor]:
-    """(y, S) in fp64 for 8-bit activations: per row and group of 32, codes round(x * 127 / max|x|)
-    (fp32, nearest even, as the kernel) times the weight's (q - 8) * scale, plus zero * sum(x);
-    S is the sum of the terms' magnitudes."""
+def quantized_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row and group of 32: codes round(x * 127 / max|x|) (fp32, nearest even, as the kernel; fp64
+    [M, K/32, 32]) and the scale max|x| / 127 (fp64 [M, K/32])."""
     m, k = x.shape
     xf = x.float().view(m, k // 32, 32)
     amax = xf.abs().amax(-1, keepdim=True)
     inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
-    xq = torch.round(xf * inv).double()
+    return torch.round(xf * inv).double(), (amax.double() / 127.0).squeeze(-1)
+
+
+def q8_reference(x: torch.Tensor, w: Int4Weight | Int8Weight) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, S) in fp64 for 8-bit activations: the codes of :func:`quantized_groups` times the weight's
+    (q - 8) * scale plus zero * sum(x) per group (int4), or times q, with the row scale last (int8);
+    S is the sum of the terms' magnitudes."""
+    m, k = x.shape
+    xq, step_x = quantized_groups(x)
+    if isinstance(w, Int8Weight):
+        q = w.rows().double().view(-1, k // 32, 32)  # [N, K/32, 32]
+        step = step_x[:, None, :] * w.scale.double()[None, :, None]
+        mag = torch.einsum("mgk,ngk->mng", xq.abs(), q.abs()) * step.abs()
+        return (torch.einsum("mgk,ngk->mng", xq, q) * step).sum(-1), mag.sum(-1)
+    xf = x.float().view(m, k // 32, 32)
     sz = w.stock_scales_and_zeros().double()  # [K/32, N, 2]
     q = w.codes().double().view(-1, k // 32, 32) - 8  # [N, K/32, 32]
     dot = torch.einsum("mgk,ngk->mng", xq, q)
-    step = (amax.double() / 127.0).squeeze(-1)[:, None, :] * sz[..., 0].t()[None]  # [M, N, K/32]
+    step = step_x[:, None, :] * sz[..., 0].t()[None]  # [M, N, K/32]
     zero = sz[..., 1].t()[None] * xf.double().sum(-1)[:, None, :]
     mag = torch.einsum("mgk,ngk->mng", xq.abs(), q.abs()) * step.abs() + zero.abs()
     return (dot * step + zero).sum(-1), mag.sum(-1)
@@ -210,6 +223,25 @@ def test_int4_kernel_with_8_bit_activations(n, k, m):
     # Against the bf16 activations: the quantization's error, about half a step of 1/127 per group.
     exact = x.float() @ w.dequantize().t()
     assert (y32 - exact).norm() <= 0.02 * exact.norm()
+
+
+@q8_only
+@pytest.mark.parametrize("n,k", [(16, 32), (40, 64), (33, 96), (1000, 1536), (64, 8960)])
+@pytest.mark.parametrize("m", [*range(1, 9), 11, 17])
+def test_int8_kernel_with_8_bit_activations(n, k, m):
+    w = random_int8(n, k, m)
+    v = w.to_layout("vs16")
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
+    x[0, :32] = 0
+    ref, mag = q8_reference(x, w)
+    y32 = kernels.int8_mm(x, v.qweight, w.scale, n, out_dtype=torch.float32, q8=True)
+    assert ((y32.double() - ref).abs() <= 1e-5 * mag + 1e-30).all()
+    y16 = kernels.int8_mm(x, v.qweight, w.scale, n, q8=True)
+    assert y16.dtype == torch.bfloat16 and ((y16.double() - ref).abs() <= 2.0 ** -8 * ref.abs() + 1e-5 * mag).all()
+    exact = x.float() @ w.dequantize().t()
+    assert (y32 - exact).norm() <= 0.02 * exact.norm()
+    # fp32 activations are cast to bf16 first, then quantized alike.
+    assert torch.equal(kernels.int8_mm(x.float(), v.qweight, w.scale, n, out_dtype=torch.float32, q8=True), y32)
 
 
 @fast_only
@@ -257,23 +289,23 @@ def test_bf16_kernel_matches_reference(n, k, m):
 
 
 @fast_only
-@pytest.mark.parametrize("fmt", ["int4", "int4-q8", "int8", "bf16"])
+@pytest.mark.parametrize("fmt", ["int4", "int4-q8", "int8", "int8-q8", "bf16"])
 def test_a_row_gives_the_same_bits_alone_or_with_others(fmt):
     # Verifying k+1 tokens at once must score each exactly as decoding it alone would.
     n, k = 256, 512
     x = torch.randn(13, k).to(torch.bfloat16)
+    if fmt.endswith("-q8") and not Q8:
+        pytest.skip("8-bit activations need AVX-512 VNNI")
     if fmt.startswith("int4"):
         v = random_int4(n, k).to_layout("vs16")
-        if fmt == "int4-q8" and not Q8:
-            pytest.skip("8-bit activations need AVX-512 VNNI")
 
         def run(rows):
             return kernels.int4_mm(rows, v.packed, v.scales_and_zeros, n, q8=fmt == "int4-q8")
-    elif fmt == "int8":
+    elif fmt.startswith("int8"):
         v = random_int8(n, k).to_layout("vs16")
 
         def run(rows):
-            return kernels.int8_mm(rows, v.qweight, v.scale, n)
+            return kernels.int8_mm(rows, v.qweight, v.scale, n, q8=fmt == "int8-q8")
     else:
         lin = make_linear(torch.randn(n, k), torch.randn(n), "dense", torch.bfloat16)
         assert isinstance(lin, DenseLinear) and lin.fast

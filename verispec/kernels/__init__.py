@@ -39,8 +39,8 @@ import torch
 from verispec import hub
 from verispec.log import logger
 
-# auto: verispec's kernels where the CPU runs them (else PyTorch's); q8: the same, int4 layers multiplying
-# activations quantized to 8 bits per group of 32 (AVX-512 VNNI); stock: PyTorch's.
+# auto: verispec's kernels where the CPU runs them (else PyTorch's); q8: the same, int4 and int8 layers
+# multiplying activations quantized to 8 bits per group of 32 (AVX-512 VNNI); stock: PyTorch's.
 KERNEL_CHOICES = ("auto", "q8", "stock")
 # wo_gemm.cpp: the module (PYBIND11_MODULE) and the matmuls; small_ops.cpp: the fused small ops it registers.
 _SOURCES = (Path(__file__).with_name("wo_gemm.cpp"), Path(__file__).with_name("small_ops.cpp"))
@@ -134,7 +134,7 @@ def _register_fakes(namespace: str) -> None:
         return out(x, n, out_fp32, x.shape[0])
 
     @torch.library.register_fake(f"{namespace}::int8_mm")
-    def _int8(x, w, scale, n, splits, bias, out_fp32):  # noqa: ANN001, ANN202
+    def _int8(x, w, scale, n, splits, bias, out_fp32, q8=False):  # noqa: ANN001, ANN202
         return out(x, n, out_fp32, x.shape[0] // splits)
 
     @torch.library.register_fake(f"{namespace}::bf16_mm")
@@ -273,17 +273,19 @@ def bf16_split(x: torch.Tensor) -> torch.Tensor:
 
 
 def int8_mm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, n: int, bias: torch.Tensor | None = None,
-            out_dtype: torch.dtype | None = None) -> torch.Tensor:
+            out_dtype: torch.dtype | None = None, q8: bool = False) -> torch.Tensor:
     """``x @ (q * scale).T (+ bias)`` for x [M, K]. bf16 x is used as it is; fp32 x is split into three
-    bf16 parts (:func:`bf16_split`), so every product is the exact fp32 one, as in the stock kernel."""
+    bf16 parts (:func:`bf16_split`), so every product is the exact fp32 one, as in the stock kernel.
+    ``q8`` (K a multiple of 32): x cast to bf16 and quantized to 8 bits per group of 32 instead, as
+    :func:`int4_mm`'s."""
     out_dtype = out_dtype or x.dtype
-    if x.dtype == torch.float32:
+    if x.dtype == torch.float32 and not q8:
         xb, splits = bf16_split(x.contiguous()), 3
     else:
         xb, splits = x.to(torch.bfloat16).contiguous(), 1
     if torch.compiler.is_compiling():
-        return _OPS.int8_mm(xb, packed, scale, n, splits, bias, out_dtype == torch.float32)
-    return (_EXT or _ext()).int8_mm(xb, packed, scale, n, splits, bias, out_dtype == torch.float32)
+        return _OPS.int8_mm(xb, packed, scale, n, splits, bias, out_dtype == torch.float32, q8)
+    return (_EXT or _ext()).int8_mm(xb, packed, scale, n, splits, bias, out_dtype == torch.float32, q8)
 
 
 # -- bf16 -------------------------------------------------------------------------------------

@@ -18,7 +18,9 @@
 //   i's eight codes, its low nibbles those of k = 0, 4, 1, 5 and its high nibbles k = 2, 6, 3, 7 (of
 //   the chunk), so each row's activations are quantized in that order and no weight is repacked.
 // int8 layout: [ceil(N/16), K/2, 16, 2] (rows padded with zeros to a multiple of 16); a pair
-//   chunk of 32 bytes converts (sign-extend, int -> fp32 -> bf16, exact) into one tile.
+//   chunk of 32 bytes converts (sign-extend, int -> fp32 -> bf16, exact) into one tile. With 8-bit
+//   activations one vpermw turns a 64-byte line (two pairs) into row i's four consecutive k in
+//   dword i, and flipping the sign bits makes them q + 128 (unsigned) for vpdpbusd.
 // bf16 layout: the same [ceil(N/16), K/2, 16, 2] with bf16 values: every 64 bytes are a tile as
 //   they are, so dense bf16 weights stream with the same loop and no unpacking at all.
 //
@@ -159,17 +161,19 @@ VS_AVX512 void int4_rows(const uint8_t* w, const uint32_t* sz, const uint16_t* x
 
 // ---- int4 x 8-bit activations (q8) -------------------------------------------------------
 
-// Each row's activations in groups of 32 (the weights' groups), as llama.cpp's Q8_0: codes
-// round(x * 127 / max|x|) in the chunk order of the int4 layout (k = 0, 4, 1, 5, 2, 6, 3, 7 per 8),
-// the group's scale max|x| / 127, -8 times the codes' sum (the weights' offset, folded into the
-// integer accumulator) and the fp32 sum of x (for the zero points). Per row: a row's result never
-// depends on the rows beside it.
-VS_AVX512 void quantize_groups(const uint16_t* x, int64_t rows, int64_t k, int8_t* xq, float* xscale,
-                               int32_t* offset, float* xsum) {
+// Each row's activations in groups of 32, as llama.cpp's Q8_0: codes round(x * 127 / max|x|) (for
+// int4 weights in their chunk order, k = 0, 4, 1, 5, 2, 6, 3, 7 per 8; else in order), the group's
+// scale max|x| / 127, -bias times the codes' sum (the weights' unsigned offset, 8 for int4 codes and
+// 128 for int8 ones, folded into the integer accumulator) and the fp32 sum of x (int4's zero points).
+// Per row: a row's result never depends on the rows beside it.
+VS_AVX512 void quantize_groups(const uint16_t* x, int64_t rows, int64_t k, bool int4_order, int32_t bias, int8_t* xq,
+                               float* xscale, int32_t* offset, float* xsum) {
   const int64_t groups = k / GS;
   const __m512 abs_mask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
-  const __m256i order = _mm256_setr_epi8(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15,
-                                         0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15);
+  const __m256i order = int4_order ? _mm256_setr_epi8(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15,
+                                                      0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15)
+                                   : _mm256_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15,
+                                                      0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t g = 0; g < groups; ++g) {
       const uint16_t* p = x + r * k + g * GS;
@@ -186,7 +190,7 @@ VS_AVX512 void quantize_groups(const uint16_t* x, int64_t rows, int64_t k, int8_
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + r * k + g * GS), _mm256_shuffle_epi8(bytes, order));
       const int64_t i = r * groups + g;
       xscale[i] = amax / 127.0f;
-      offset[i] = -8 * _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+      offset[i] = -bias * _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
       xsum[i] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
     }
   }
@@ -264,6 +268,71 @@ VS_AVX512_VNNI void q8_rows(const uint8_t* w, const uint32_t* sz, const Q8Rows& 
       case 6: q8_block<6>(w, sz, xm, k, xs, off, xt, groups, groups, po); break;
       case 7: q8_block<7>(w, sz, xm, k, xs, off, xt, groups, groups, po); break;
       default: q8_block<8>(w, sz, xm, k, xs, off, xt, groups, groups, po); break;
+    }
+  }
+}
+
+// Word j of a 64-byte int8 line (two pairs of k for 16 rows) -> word idx[j]: row i's dword holds its
+// pair from the first half, then its pair from the second, i.e. four consecutive k.
+alignas(64) const uint16_t quad_words[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                             8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+
+// One 16-row int8 block against M rows of quantized x: per group of 32, sum (q + 128) * xq in int32
+// (minus 128 * sum xq, the accumulator's start), times the group's xscale; the row scale comes last.
+template <int M>
+VS_AVX512_VNNI inline void q8_int8_block(const int8_t* __restrict w, const int8_t* __restrict xq, int64_t ldx,
+                                         const float* __restrict xscale, const int32_t* __restrict offset,
+                                         int64_t ldg, int64_t groups, float* __restrict out) {
+  const __m512i idx = _mm512_load_si512(quad_words);
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  __m512 y[M];
+  for (int m = 0; m < M; ++m) y[m] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i a[M], b[M];  // even and odd lines: shorter chains, exact in any order
+    for (int m = 0; m < M; ++m) {
+      a[m] = _mm512_set1_epi32(offset[m * ldg + g]);
+      b[m] = _mm512_setzero_si512();
+    }
+    const int8_t* wg = w + g * 512;
+#pragma GCC unroll 8
+    for (int l = 0; l < 8; ++l) {
+      _mm_prefetch(reinterpret_cast<const char*>(wg + l * 64 + PREFETCH), _MM_HINT_T0);
+      const __m512i t = _mm512_xor_si512(_mm512_permutexvar_epi16(idx, _mm512_loadu_si512(wg + l * 64)), flip);
+#pragma GCC unroll 8
+      for (int m = 0; m < M; ++m) {
+        const __m512i xv = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xq + m * ldx + g * GS + l * 4));
+        if (l % 2 == 0) {
+          a[m] = _mm512_dpbusd_epi32(a[m], t, xv);
+        } else {
+          b[m] = _mm512_dpbusd_epi32(b[m], t, xv);
+        }
+      }
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m)
+      y[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(a[m], b[m])), _mm512_set1_ps(xscale[m * ldg + g]),
+                             y[m]);
+  }
+  for (int m = 0; m < M; ++m) _mm512_storeu_ps(out + m * BN, y[m]);
+}
+
+VS_AVX512_VNNI void q8_int8_rows(const int8_t* w, const Q8Rows& x, int64_t k, int64_t rows, float* out) {
+  const int64_t groups = k / GS;
+  for (int64_t m0 = 0; m0 < rows; m0 += MB) {
+    const int8_t* xm = x.xq + m0 * k;
+    const int64_t o = m0 * groups;
+    const float* xs = x.xscale + o;
+    const int32_t* off = x.offset + o;
+    float* po = out + m0 * BN;
+    switch (std::min(MB, rows - m0)) {
+      case 1: q8_int8_block<1>(w, xm, k, xs, off, groups, groups, po); break;
+      case 2: q8_int8_block<2>(w, xm, k, xs, off, groups, groups, po); break;
+      case 3: q8_int8_block<3>(w, xm, k, xs, off, groups, groups, po); break;
+      case 4: q8_int8_block<4>(w, xm, k, xs, off, groups, groups, po); break;
+      case 5: q8_int8_block<5>(w, xm, k, xs, off, groups, groups, po); break;
+      case 6: q8_int8_block<6>(w, xm, k, xs, off, groups, groups, po); break;
+      case 7: q8_int8_block<7>(w, xm, k, xs, off, groups, groups, po); break;
+      default: q8_int8_block<8>(w, xm, k, xs, off, groups, groups, po); break;
     }
   }
 }
@@ -465,7 +534,7 @@ torch::Tensor int4_mm(const torch::Tensor& x, const torch::Tensor& w, const torc
     xq.resize(m * k);
     xscale.resize(m * groups);
     offset.resize(m * groups);
-    quantize_groups(xp, m, k, xq.data(), xscale.data(), offset.data(), xs.data());
+    quantize_groups(xp, m, k, true, 8, xq.data(), xscale.data(), offset.data(), xs.data());
   } else {
     group_sums(xp, m, k, xs.data());
   }
@@ -507,8 +576,11 @@ void pair_mm(const Epilogue& e, const typename Tiles::W* wp, const uint16_t* xp,
 // x: bf16 [splits * M, K] (rows s * M + m add up, e.g. the bf16 parts of fp32 activations);
 // w: int8 layout above, [ceil(N/16), K/2, 16, 2]; scale: [N] fp32/bf16. Returns [M, N].
 torch::Tensor int8_mm(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scale, int64_t n,
-                      int64_t splits, const c10::optional<torch::Tensor>& bias, bool out_fp32) {
+                      int64_t splits, const c10::optional<torch::Tensor>& bias, bool out_fp32, bool q8) {
   check_cpu();
+  static const bool vnni = cpu_supports_vnni();
+  TORCH_CHECK(!q8 || vnni, "verispec kernels: 8-bit activations need AVX-512 VNNI, which this CPU lacks");
+  TORCH_CHECK(!q8 || (splits == 1 && x.size(1) % GS == 0), "int8_mm: q8 needs bf16 x (splits 1) and K % 32 == 0");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.is_contiguous(), "x: contiguous bf16 [M, K]");
   TORCH_CHECK(splits >= 1 && x.size(0) % splits == 0, "int8_mm: rows not a multiple of splits");
   const int64_t rows = x.size(0), m = rows / splits, k = x.size(1);
@@ -529,7 +601,23 @@ torch::Tensor int8_mm(const torch::Tensor& x, const torch::Tensor& w, const torc
   set_epilogue_out(e, y, bias);
   const auto* wp = w.data_ptr<int8_t>();
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
-  pair_mm<Int8Tiles>(e, wp, xp, k, rows, blocks);
+  if (!q8) {
+    pair_mm<Int8Tiles>(e, wp, xp, k, rows, blocks);
+    return y;
+  }
+  const int64_t groups = k / GS;
+  std::vector<int8_t> xq(m * k);
+  std::vector<float> xscale(m * groups), xsum(m * groups);
+  std::vector<int32_t> offset(m * groups);
+  quantize_groups(xp, m, k, false, 128, xq.data(), xscale.data(), offset.data(), xsum.data());
+  const Q8Rows qx{xq.data(), xscale.data(), offset.data(), xsum.data()};
+  at::parallel_for(0, blocks, grain_for(k * BN), [&](int64_t b0, int64_t b1) {
+    std::vector<float> acc(m * BN);
+    for (int64_t b = b0; b < b1; ++b) {
+      q8_int8_rows(wp + b * k * BN, qx, k, m, acc.data());
+      finish_block(e, acc.data(), b * BN);
+    }
+  });
   return y;
 }
 
@@ -1016,7 +1104,8 @@ bool cpu_runs_kernels() { return cpu_supported(); }  // small_ops.cpp checks the
 
 TORCH_LIBRARY(VS_NS, m) {
   m.def("int4_mm(Tensor x, Tensor w, Tensor sz, int n, Tensor? bias, bool out_fp32, bool q8=False) -> Tensor");
-  m.def("int8_mm(Tensor x, Tensor w, Tensor scale, int n, int splits, Tensor? bias, bool out_fp32) -> Tensor");
+  m.def("int8_mm(Tensor x, Tensor w, Tensor scale, int n, int splits, Tensor? bias, bool out_fp32, bool q8=False) "
+        "-> Tensor");
   m.def("bf16_mm(Tensor x, Tensor w, int n, Tensor? bias, bool out_fp32) -> Tensor");
 }
 
@@ -1033,7 +1122,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_mm", &int4_mm, "y = x @ dequant(w).T", py::arg("x"), py::arg("w"), py::arg("sz"), py::arg("n"),
         py::arg("bias") = py::none(), py::arg("out_fp32") = false, py::arg("q8") = false);
   m.def("int8_mm", &int8_mm, "y = x @ (q * scale).T", py::arg("x"), py::arg("w"), py::arg("scale"), py::arg("n"),
-        py::arg("splits") = 1, py::arg("bias") = py::none(), py::arg("out_fp32") = false);
+        py::arg("splits") = 1, py::arg("bias") = py::none(), py::arg("out_fp32") = false, py::arg("q8") = false);
   m.def("bf16_mm", &bf16_mm, "y = x @ w.T", py::arg("x"), py::arg("w"), py::arg("n"), py::arg("bias") = py::none(),
         py::arg("out_fp32") = false);
   m.def("int4_pack", &int4_pack, "codes [N, K] -> int4 layout");

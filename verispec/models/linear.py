@@ -255,6 +255,8 @@ class Int8Linear(nn.Module):
         self.out_features, self.in_features = q.shape
         self.fast = (fast_kernels.use_fast(kernels) and q.qweight.device.type == "cpu"
                      and self.in_features % 2 == 0 and dtype in (torch.float32, torch.bfloat16))
+        # 8-bit activations (see verispec.kernels.int8_mm) where K is whole groups of 32.
+        self.q8 = self.fast and kernels == "q8" and self.in_features % 32 == 0
         q = q.to_layout("vs16" if self.fast else "rows")
         self.register_buffer("qweight", q.qweight)
         self.register_buffer("scale", q.scale.to(dtype))
@@ -267,7 +269,7 @@ class Int8Linear(nn.Module):
         x2 = x.reshape(-1, shape[-1])
         if self.fast:
             out = x.dtype if x.dtype in (torch.float32, torch.bfloat16) else torch.float32
-            y = fast_kernels.int8_mm(x2.to(out), self.qweight, self.scale, self.out_features, self.bias, out)
+            y = fast_kernels.int8_mm(x2.to(out), self.qweight, self.scale, self.out_features, self.bias, out, self.q8)
             return y.to(x.dtype).reshape(*shape[:-1], -1)
         y = torch._weight_int8pack_mm(x2, self.qweight, self.scale)
         y = y.reshape(*shape[:-1], -1)
@@ -277,7 +279,8 @@ class Int8Linear(nn.Module):
         """What :meth:`forward` returns for the fused decode path's ``x`` (2-D ``[R, K]``, contiguous,
         bf16 or fp32), with the least Python in between (see :func:`small_m_call`)."""
         if self.fast and x.dtype == torch.bfloat16:
-            return fast_kernels.ext().int8_mm(x, self.qweight, self.scale, self.out_features, 1, self.bias, False)
+            return fast_kernels.ext().int8_mm(x, self.qweight, self.scale, self.out_features, 1, self.bias, False,
+                                              self.q8)
         return self.forward(x)
 
     def _expand(self, r0: int, r1: int, out: torch.Tensor) -> torch.Tensor:
