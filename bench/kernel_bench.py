@@ -4,8 +4,8 @@ Per projection shape of Qwen2.5-Coder-1.5B Q4_K_M (fused q/k/v, o and fused gate
 down and the 151936-row lm_head as int8, as the Q6_K tensors load; down also as int4; pass
 --int8-all to time the int4 shapes as int8 too), and the dense bf16 model's gate (or up) and
 down projections (stock = ``F.linear``, i.e. oneDNN), t(M) for
-M = 1..8 (``--m-max``) activation rows; int4 also on 8-bit activations (``fast q8``) where the CPU
-has AVX-512 VNNI. Each timing cycles through enough distinct random weight copies
+M = 1..8 (``--m-max``) activation rows; int4 and int8 also on 8-bit activations (``fast q8``) where
+the CPU has AVX-512 VNNI. Each timing cycles through enough distinct random weight copies
 that together they exceed --stream-mb (default 160 MiB, five times a 32 MiB L3), so weights
 come from DRAM as in a real forward; the median of --reps rounds is reported, with the
 weight bytes read per second. Usage:
@@ -180,6 +180,8 @@ def main() -> None:
         else:
             runs = {"stock": (lambda x, c: torch._weight_int8pack_mm(x, c[0], c[1]), stock),
                     "fast": (lambda x, c, n=n: kernels.int8_mm(x, c[0], c[1], n), fast)}
+            if fast_ok and kernels.q8_available() and k % 32 == 0:
+                runs["fast q8"] = (lambda x, c, n=n: kernels.int8_mm(x, c[0], c[1], n, q8=True), fast)
         if not fast_ok:
             runs.pop("fast")  # (and "fast q8" was never added)
         for kind, (fn, copies) in runs.items():

@@ -122,7 +122,7 @@ def models_line(report: dict[str, Any]) -> str:
     m = report["models"]
     draft = f", draft {m['draft']} ({m['draft_weights']})" if m.get("draft") else ""
     kernels = {"verispec": "; int4/int8 layers on verispec's CPU kernels",
-               "verispec q8": "; int4/int8 layers on verispec's CPU kernels, int4 ones on 8-bit activations (q8)",
+               "verispec q8": "; int4/int8 layers on verispec's CPU kernels, on 8-bit activations (q8)",
                "stock": "; int4/int8 layers on PyTorch's stock kernels"}.get(m.get("quantized_kernels"), "")
     return f"Models: target {m['target']} ({m['weights']}, {m['dtype']}){draft}{kernels}."
 
@@ -380,10 +380,10 @@ SECTIONS: list[tuple[str, str, str, Any]] = [
      lambda f, b: md_section(f, b, ["sampling_speed.md"], "sampling_speed.json")),
     ("verify_cost", "Verification cost of the whole target forward",
      "`bench/verify_cost.py`: t(M)/t(1) for M scored tokens over a 64-token context, per weight format; "
-     "`int4, q8`: the int4 layers on 8-bit activations (`--kernels q8`).",
+     "`int4, q8` and `int8, q8`: the quantized layers on 8-bit activations (`--kernels q8`).",
      verify_cost_section),
     ("q8", "8-bit activations end to end",
-     "`bench/q8_speed.py`: the int4 pair with `--kernels q8` (int4 layers on 8-bit activations, AVX-512 VNNI) "
+     "`bench/q8_speed.py`: the int4 pair with `--kernels q8` (int4/int8 layers on 8-bit activations, AVX-512 VNNI) "
      "against verispec's bf16 kernels, two engines decoding the same report-split prompts, plainly and under "
      "verispec's defaults, side by side.", lambda f, b: md_section(f, b, ["q8_speed.md"], "q8_speed.json")),
     ("draft_cost", "Draft cost ratio by draft weight format",

@@ -9,8 +9,8 @@ optionally plain greedy decoding speed too. Prints a table and writes ``verify_c
                                 [--dtype bfloat16] [--m-max 8] [--reps 3] [--decode-tokens 0]
                                 [--threads 0] [--kernels auto[,q8][,stock]] --out DIR
 
-``--kernels auto,q8`` puts the int4 layers on 8-bit activations (``q8``) beside verispec's bf16
-kernels; q8 changes int4 layers only, so it adds rows for int4 formats alone. ``stock`` times
+``--kernels auto,q8`` puts the int4 and int8 layers on 8-bit activations (``q8``) beside verispec's
+bf16-activation kernels; q8 leaves dense layers alone, so it adds rows for the quantized formats. ``stock`` times
 PyTorch's own int4/int8 kernels (see docs/quantization.md).
 """
 
@@ -93,7 +93,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)  # on a shared CPU, fewer threads than cores time far steadier
 
     rows = [measure(args.model, f, kern, args.dtype, args.m_max, args.reps, args.decode_tokens)
-            for f in args.formats.split(",") for kern in kernels if kern != "q8" or f.startswith("int4")]
+            for f in args.formats.split(",") for kern in kernels if kern != "q8" or f != "dense"]
     info = machine()
     title = (f"{args.model} ({args.dtype}, {args.kernels} kernels) · {info['cpu']}, {info['threads']} threads"
              f" · {info['date']}")

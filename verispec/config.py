@@ -69,8 +69,8 @@ class EngineConfig:
     target_device: str | None = None  # None: device
     draft_device: str | None = None  # None: device
     tp: int = 1  # tensor-parallel ranks for the target (see verispec.parallel.tp; launched with torchrun)
-    # int4/int8 matmuls: "auto" (verispec's small-M kernels where the CPU runs them), "q8" (the same, int4 layers on
-    # 8-bit activations: AVX-512 VNNI) or "stock" (PyTorch's); see verispec.kernels.KERNEL_CHOICES
+    # int4/int8 matmuls: "auto" (verispec's small-M kernels where the CPU runs them), "q8" (the same, int4/int8
+    # layers on 8-bit activations: AVX-512 VNNI) or "stock" (PyTorch's); see verispec.kernels.KERNEL_CHOICES
     kernels: str = "auto"
     max_batch: int = 1
     memory_limit: int | None = None
