@@ -30,11 +30,6 @@ KERNELS = ("auto", "q8")
 METHODS: dict[str, SpecConfig] = {"plain": PLAIN, "hybrid (defaults)": DEFAULT_SPEC}
 
 
-def tokens_per_s(m: Metrics, decode_only: bool = False) -> float:
-    seconds = m.total_s - (m.stage_s["prefill"] if decode_only else 0.0)
-    return m.generated_tokens / seconds if seconds > 0 else float("nan")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
@@ -84,19 +79,19 @@ def main() -> None:
                     outputs.setdefault(kern, []).append(res.token_ids)
         for r in runs:
             per_repeat[r].append(totals[r])
-            print(f"repeat {rep + 1}/{args.repeats} {r[0]:4s} {r[1]:18s} {tokens_per_s(totals[r]):6.1f} tok/s",
+            print(f"repeat {rep + 1}/{args.repeats} {r[0]:4s} {r[1]:18s} {totals[r].tokens_per_s:6.1f} tok/s",
                   flush=True)
 
     rows: list[dict[str, Any]] = []
     for kern, name in runs:
         ms = per_repeat[kern, name]
         base = per_repeat["auto", name]
-        ratios = [tokens_per_s(m) / tokens_per_s(b) for m, b in zip(ms, base, strict=True)]
+        ratios = [m.tokens_per_s / b.tokens_per_s for m, b in zip(ms, base, strict=True)]
         rows.append({"kernels": kern, "method": name,
-                     "tokens_per_s": statistics.median(tokens_per_s(m) for m in ms),
-                     "decode_tokens_per_s": statistics.median(tokens_per_s(m, True) for m in ms),
+                     "tokens_per_s": statistics.median(m.tokens_per_s for m in ms),
+                     "decode_tokens_per_s": statistics.median(m.decode_tokens_per_s for m in ms),
                      "vs_auto": statistics.median(ratios), "vs_auto_runs": ratios,
-                     "vs_plain_auto": statistics.median(tokens_per_s(m) / tokens_per_s(b) for m, b in
+                     "vs_plain_auto": statistics.median(m.tokens_per_s / b.tokens_per_s for m, b in
                                                         zip(ms, per_repeat["auto", "plain"], strict=True)),
                      "mean_accepted_length": statistics.median(m.mean_accepted_length for m in ms)})
     same = sum(a == b for a, b in zip(outputs["auto"], outputs["q8"], strict=True))

@@ -42,11 +42,6 @@ def modes(temperature: float, top_p: float, max_tokens: int) -> dict[str, tuple[
     }
 
 
-def decode_tokens_per_s(m: Metrics) -> float:
-    rest = m.total_s - m.stage_s["prefill"]
-    return m.generated_tokens / rest if rest > 0 else float("nan")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
@@ -83,14 +78,14 @@ def main() -> None:
         for name in names:
             per_repeat[name].append(totals[name])
             m = totals[name]
-            print(f"repeat {rep + 1}/{args.repeats} {name:50s} {decode_tokens_per_s(m):6.1f} tok/s  verify/score "
+            print(f"repeat {rep + 1}/{args.repeats} {name:50s} {m.decode_tokens_per_s:6.1f} tok/s  verify/score "
                   f"{m.stage_s['verify'] / m.stage_s['score']:.3f}", flush=True)
 
-    base = [decode_tokens_per_s(m) for m in per_repeat[names[0]]]
+    base = [m.decode_tokens_per_s for m in per_repeat[names[0]]]
     rows: list[dict[str, Any]] = []
     for name in names:
         ms = per_repeat[name]
-        tps = [decode_tokens_per_s(m) for m in ms]
+        tps = [m.decode_tokens_per_s for m in ms]
         ratios = [t / b for t, b in zip(tps, base, strict=True)]
         shares = [m.stage_s["verify"] / m.stage_s["score"] for m in ms]
         rows.append({"mode": name, "tokens_per_s": statistics.median(tps), "vs_greedy": statistics.median(ratios),

@@ -116,6 +116,12 @@ class Metrics:
         return self.generated_tokens / self.total_s if self.total_s else 0.0
 
     @property
+    def decode_tokens_per_s(self) -> float:
+        """Tokens per second outside the prompt's prefill (what a decoding method changes)."""
+        rest = self.total_s - self.stage_s["prefill"]
+        return self.generated_tokens / rest if rest > 0 else 0.0
+
+    @property
     def mean_ttft_s(self) -> float:
         return self.ttft_s / self.requests if self.requests else 0.0
 

@@ -243,21 +243,27 @@ VS_AVX512_VNNI inline void q8_block(const uint8_t* __restrict w, const uint32_t*
   for (int m = 0; m < M; ++m) _mm512_storeu_ps(out + m * BN, y[m]);
 }
 
-struct Q8Rows {
-  const int8_t* xq;
-  const float* xscale;
-  const int32_t* offset;
-  const float* xsum;
+// A call's activations as quantize_groups leaves them (empty where a call runs without q8).
+struct Q8Activations {
+  std::vector<int8_t> xq;
+  std::vector<float> xscale, xsum;
+  std::vector<int32_t> offset;
+
+  Q8Activations() = default;
+  Q8Activations(const uint16_t* x, int64_t rows, int64_t k, bool int4_order, int32_t bias)
+      : xq(rows * k), xscale(rows * (k / GS)), xsum(rows * (k / GS)), offset(rows * (k / GS)) {
+    quantize_groups(x, rows, k, int4_order, bias, xq.data(), xscale.data(), offset.data(), xsum.data());
+  }
 };
 
-VS_AVX512_VNNI void q8_rows(const uint8_t* w, const uint32_t* sz, const Q8Rows& x, int64_t k, int64_t rows,
+VS_AVX512_VNNI void q8_rows(const uint8_t* w, const uint32_t* sz, const Q8Activations& x, int64_t k, int64_t rows,
                             float* out) {
   const int64_t groups = k / GS;
   for (int64_t m0 = 0; m0 < rows; m0 += MB) {
-    const int8_t* xm = x.xq + m0 * k;
+    const int8_t* xm = x.xq.data() + m0 * k;
     const int64_t o = m0 * groups;
-    const float *xs = x.xscale + o, *xt = x.xsum + o;
-    const int32_t* off = x.offset + o;
+    const float *xs = x.xscale.data() + o, *xt = x.xsum.data() + o;
+    const int32_t* off = x.offset.data() + o;
     float* po = out + m0 * BN;
     switch (std::min(MB, rows - m0)) {
       case 1: q8_block<1>(w, sz, xm, k, xs, off, xt, groups, groups, po); break;
@@ -316,13 +322,13 @@ VS_AVX512_VNNI inline void q8_int8_block(const int8_t* __restrict w, const int8_
   for (int m = 0; m < M; ++m) _mm512_storeu_ps(out + m * BN, y[m]);
 }
 
-VS_AVX512_VNNI void q8_int8_rows(const int8_t* w, const Q8Rows& x, int64_t k, int64_t rows, float* out) {
+VS_AVX512_VNNI void q8_int8_rows(const int8_t* w, const Q8Activations& x, int64_t k, int64_t rows, float* out) {
   const int64_t groups = k / GS;
   for (int64_t m0 = 0; m0 < rows; m0 += MB) {
-    const int8_t* xm = x.xq + m0 * k;
+    const int8_t* xm = x.xq.data() + m0 * k;
     const int64_t o = m0 * groups;
-    const float* xs = x.xscale + o;
-    const int32_t* off = x.offset + o;
+    const float* xs = x.xscale.data() + o;
+    const int32_t* off = x.offset.data() + o;
     float* po = out + m0 * BN;
     switch (std::min(MB, rows - m0)) {
       case 1: q8_int8_block<1>(w, xm, k, xs, off, groups, groups, po); break;
@@ -525,20 +531,10 @@ torch::Tensor int4_mm(const torch::Tensor& x, const torch::Tensor& w, const torc
   auto y = torch::empty({m, n}, x.options().dtype(out_fp32 ? torch::kFloat : torch::kBFloat16));
   if (m == 0 || n == 0) return y;
   const int64_t groups = k / GS, blocks = n / BN;
-  std::vector<float> xs(m * groups);
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
-  std::vector<int8_t> xq;
-  std::vector<float> xscale;
-  std::vector<int32_t> offset;
-  if (q8) {
-    xq.resize(m * k);
-    xscale.resize(m * groups);
-    offset.resize(m * groups);
-    quantize_groups(xp, m, k, true, 8, xq.data(), xscale.data(), offset.data(), xs.data());
-  } else {
-    group_sums(xp, m, k, xs.data());
-  }
-  const Q8Rows rows{xq.data(), xscale.data(), offset.data(), xs.data()};
+  const Q8Activations qx = q8 ? Q8Activations(xp, m, k, true, 8) : Q8Activations();
+  std::vector<float> xs(q8 ? 0 : m * groups);  // the bf16 path's group sums
+  if (!q8) group_sums(xp, m, k, xs.data());
   Epilogue e;
   e.n = n;
   e.rows = m;
@@ -549,7 +545,7 @@ torch::Tensor int4_mm(const torch::Tensor& x, const torch::Tensor& w, const torc
     std::vector<float> acc(m * BN);
     for (int64_t b = b0; b < b1; ++b) {
       if (q8) {
-        q8_rows(wp + b * (k * BN / 2), szp + b * groups * BN, rows, k, m, acc.data());
+        q8_rows(wp + b * (k * BN / 2), szp + b * groups * BN, qx, k, m, acc.data());
       } else {
         int4_rows(wp + b * (k * BN / 2), szp + b * groups * BN, xp, k, xs.data(), m, acc.data());
       }
@@ -605,12 +601,7 @@ torch::Tensor int8_mm(const torch::Tensor& x, const torch::Tensor& w, const torc
     pair_mm<Int8Tiles>(e, wp, xp, k, rows, blocks);
     return y;
   }
-  const int64_t groups = k / GS;
-  std::vector<int8_t> xq(m * k);
-  std::vector<float> xscale(m * groups), xsum(m * groups);
-  std::vector<int32_t> offset(m * groups);
-  quantize_groups(xp, m, k, false, 128, xq.data(), xscale.data(), offset.data(), xsum.data());
-  const Q8Rows qx{xq.data(), xscale.data(), offset.data(), xsum.data()};
+  const Q8Activations qx(xp, m, k, false, 128);
   at::parallel_for(0, blocks, grain_for(k * BN), [&](int64_t b0, int64_t b1) {
     std::vector<float> acc(m * BN);
     for (int64_t b = b0; b < b1; ++b) {
