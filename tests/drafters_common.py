@@ -28,6 +28,14 @@ GREEDY = SamplingParams(max_tokens=32, ignore_eos=True)
 PROMPTS = [[3, 5, 7, 9, 3, 5, 7], [10, 20, 30, 40, 50, 60, 10, 20, 30], [2]]
 
 
+@torch.inference_mode()
+def greedy_next(target: Transformer, ids: list[int]) -> int:
+    """The target's argmax after ``ids``, from a fresh cache (what a test drafter proposes or avoids)."""
+    logits = target(torch.tensor([ids]), torch.arange(len(ids)).unsqueeze(0), target.new_cache(1, len(ids)),
+                    last_only=True)
+    return int(logits[0, -1].argmax())
+
+
 def build_tiny(folder: Path, **kwargs) -> Transformer:
     """A tiny model saved under ``folder`` (see :func:`make_tiny`) and loaded with verispec's loader."""
     make_tiny(folder, **kwargs)

@@ -228,10 +228,10 @@ def test_verify_greedy_keeps_the_matching_prefix():
     logits = torch.full((4, 6), -1.0)
     for i, t in enumerate([2, 4, 1, 5]):
         logits[i, t] = 1.0
-    assert verify_greedy([2, 4, 1], logits) == (3, 5)
-    assert verify_greedy([2, 3, 1], logits) == (1, 4)
-    assert verify_greedy([0, 4, 1], logits) == (0, 2)
-    assert verify_greedy([], logits[:1]) == (0, 2)
+    assert verify_greedy([2, 4, 1], logits) == ([0, 1, 2], 5)
+    assert verify_greedy([2, 3, 1], logits) == ([0], 4)
+    assert verify_greedy([0, 4, 1], logits) == ([], 2)
+    assert verify_greedy([], logits[:1]) == ([], 2)
 
 
 def test_verify_sampling_accepts_everything_when_p_equals_q():

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
+from drafters_common import greedy_next
 
 from verispec import Engine, EngineConfig, SamplingParams, SpecConfig
 from verispec.drafters.base import Drafter, Proposal
@@ -114,16 +114,11 @@ class AlwaysWrong(Drafter):
         self.target = target
         self.calls = 0
 
-    @torch.inference_mode()
     def propose(self, seq, k, params, generator) -> Proposal:
         self.calls += 1
-        vocab = self.target.args.vocab_size
         out: list[int] = []
         for _ in range(k):
-            ids = seq + out
-            cache = self.target.new_cache(1, len(ids))
-            logits = self.target(torch.tensor([ids]), torch.arange(len(ids)).unsqueeze(0), cache, last_only=True)
-            out.append((int(logits[0, -1].argmax()) + 1) % vocab)
+            out.append((greedy_next(self.target, seq + out) + 1) % self.target.args.vocab_size)
         return Proposal(out)
 
 
@@ -148,14 +143,10 @@ class OverEager(Drafter):
     def __init__(self, target) -> None:
         self.target = target
 
-    @torch.inference_mode()
     def propose(self, seq, k, params, generator) -> Proposal:
         out: list[int] = []
         for _ in range(2 * k):
-            ids = seq + out
-            cache = self.target.new_cache(1, len(ids))
-            logits = self.target(torch.tensor([ids]), torch.arange(len(ids)).unsqueeze(0), cache, last_only=True)
-            out.append(int(logits[0, -1].argmax()))
+            out.append(greedy_next(self.target, seq + out))
         return Proposal(out)
 
 

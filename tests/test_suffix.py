@@ -340,3 +340,13 @@ def test_method_strings_and_cli_flags(qwen2_tiny):
     assert spec.lookup == "suffix" and spec.suffix_global == SpecConfig().suffix_global
     with pytest.raises(VerispecError, match="suffix_factor"):
         _spec_from(build_parser().parse_args([*base, "--method", "suffix", "--suffix-factor", "-1"]))
+
+
+def test_equal_specs_share_one_index_and_other_specs_their_own(qwen2_tiny):
+    engine = make_engine(qwen2_tiny.model)
+    first, again = engine.drafter(SUFFIX), engine.drafter(SUFFIX)
+    other = engine.drafter(replace(SUFFIX, suffix_min_prob=0.2))
+    assert first.outputs is again.outputs
+    assert other.outputs is not first.outputs  # a method in a benchmark never drafts from another's answers
+    engine.generate(PROMPTS[:1], GREEDY, SUFFIX)
+    assert first.outputs.n_tokens > 0 and other.outputs.n_tokens == 0

@@ -102,6 +102,9 @@ def _add_spec_args(p: argparse.ArgumentParser) -> None:
                    f"(default {d.suffix_min_prob})")
     p.add_argument("--suffix-factor", type=float, default=None, metavar="F",
                    help=f"suffix: draft at most F tokens per matched context token (default {d.suffix_factor})")
+    p.add_argument("--suffix-width", type=int, default=None, metavar="W",
+                   help=f"suffix: offer up to W continuations after each drafted token, as a token tree the "
+                   f"target scores in one forward (default {d.suffix_width}: a chain)")
 
 
 def _spec_from(args: argparse.Namespace):
@@ -111,7 +114,8 @@ def _spec_from(args: argparse.Namespace):
     draft, _ = hub.resolve_draft(args.model, args.draft)
     return user_spec(args.method, draft is not None, **_spec_tuning(args), datastore=args.datastore,
                      layers=args.layers, lookup=args.lookup, suffix_global=args.suffix_global,
-                     suffix_min_prob=args.suffix_min_prob, suffix_factor=args.suffix_factor)
+                     suffix_min_prob=args.suffix_min_prob, suffix_factor=args.suffix_factor,
+                     suffix_width=args.suffix_width)
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:

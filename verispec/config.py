@@ -157,12 +157,15 @@ class SpecConfig:
     # hybrid: its context lookup, "ngram" (prompt lookup) or "suffix" (the suffix drafter, options below).
     lookup: str = "ngram"
     # suffix: tokens of earlier requests' outputs the engine's shared index holds (least recently used
-    # evicted first); specs naming the same budget share one index. 0: the request's own tokens only.
+    # evicted first); requests with equal specs (k aside) share one index. 0: the request's own tokens only.
     suffix_global: int = 65536
     # suffix: a draft stops before its path's empirical probability (the product of each token's share of
     # the occurrences agreeing so far) falls below this, and is at most suffix_factor tokens per matched one.
     suffix_min_prob: float = 0.1
     suffix_factor: float = 1.0
+    # suffix: the most continuations a draft offers after each of its tokens; above 1 drafts are token trees
+    # (where earlier occurrences disagree, each way is drafted and the target keeps the one it agrees with).
+    suffix_width: int = 1
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -193,6 +196,9 @@ class SpecConfig:
                                 f"(got {self.suffix_global!r})")
         if not _is_number(self.suffix_min_prob) or not 0.0 <= self.suffix_min_prob <= 1.0:
             raise VerispecError(f"suffix_min_prob must be in [0, 1] (got {self.suffix_min_prob!r})")
+        if isinstance(self.suffix_width, bool) or not isinstance(self.suffix_width, int) or \
+                not 1 <= self.suffix_width <= 8:
+            raise VerispecError(f"suffix_width must be an integer from 1 (a chain) to 8 (got {self.suffix_width!r})")
         if not _is_number(self.suffix_factor) or not 0.0 < self.suffix_factor <= 64:
             raise VerispecError(f"suffix_factor must be in (0, 64] draft tokens per matched token "
                                 f"(got {self.suffix_factor!r})")

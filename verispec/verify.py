@@ -4,6 +4,13 @@ Greedy keeps the longest prefix that matches the target's argmax. Sampling uses 
 rejection rule of Leviathan et al. (2023) and Chen et al. (2023): keep draft token x with
 probability min(1, p(x)/q(x)); at the first rejection draw from norm(max(p - q, 0)); if all
 k survive draw a bonus token from p. The output is then distributed exactly as p.
+
+A token tree (``parents``: each draft token's parent, -1 for the row's last real token, parents
+before children) is verified along one root path. Greedy follows the child that equals the target's
+argmax. Sampling takes deterministic candidates (q one-hot, as lookups propose): at each node the
+children are tried in order, child x kept with probability p(x) / mass(p), else p(x) is set to 0; if
+none is kept, the token is drawn from what is left of p. This is SpecInfer's multi-candidate rule
+for one-hot q, and it samples each step's token exactly from p.
 """
 
 from __future__ import annotations
@@ -13,13 +20,63 @@ import torch
 from verispec.sampling import sample
 
 
-def verify_greedy(draft: list[int], target_logits: torch.Tensor) -> tuple[int, int]:
-    """Return (accepted count, next token) for ``draft`` against logits ``[len(draft)+1, V]``."""
+def _children(parents: list[int]) -> dict[int, list[int]]:
+    """Children of each node in order (-1: the root), checking that every parent precedes its child."""
+    kids: dict[int, list[int]] = {}
+    for i, parent in enumerate(parents):
+        if not -1 <= parent < i:
+            raise ValueError(f"draft token {i} has parent {parent}: parents must come before their children")
+        kids.setdefault(parent, []).append(i)
+    return kids
+
+
+def chain(n: int) -> list[int]:
+    """The parents of a chain of ``n`` draft tokens."""
+    return list(range(-1, n - 1))
+
+
+def verify_greedy(draft: list[int], target_logits: torch.Tensor,
+                  parents: list[int] | None = None) -> tuple[list[int], int]:
+    """(accepted draft indices, next token) for ``draft`` against logits ``[len(draft)+1, V]``.
+
+    Row 0 of the logits belongs to the root, row i + 1 to draft token i. ``parents`` None: a chain,
+    and the accepted indices are the matching prefix 0..n-1.
+    """
+    kids = _children(chain(len(draft)) if parents is None else parents)
     target = target_logits.argmax(-1).tolist()
-    n = 0
-    while n < len(draft) and draft[n] == target[n]:
-        n += 1
-    return n, target[n]
+    path, node = [], -1
+    while True:
+        nxt = next((c for c in kids.get(node, ()) if draft[c] == target[node + 1]), None)
+        if nxt is None:
+            return path, target[node + 1]
+        path.append(nxt)
+        node = nxt
+
+
+def verify_tree_sampling(draft: list[int], parents: list[int], target_probs: torch.Tensor,
+                         generator: torch.Generator | None) -> tuple[list[int], int]:
+    """(accepted draft indices, next token) for a tree of deterministic candidates against target
+    distributions ``[len(draft)+1, V]`` (see the module for the rule)."""
+    kids = _children(parents)
+    device = target_probs.device
+    path, node = [], -1
+    while True:
+        p = target_probs[node + 1].clone()
+        kept = None
+        for c in kids.get(node, ()):
+            x = draft[c]
+            u = float(torch.rand(1, generator=generator, device=device))
+            # Keep iff u < p(x) / mass, without the division; ">=" so a token with p(x) = 0 never survives u = 0.
+            if u * float(p.sum()) < float(p[x]):
+                kept = c
+                break
+            p[x] = 0.0
+        if kept is None:
+            total = p.sum()
+            # Rounding can leave no mass when the candidates held (almost) all of it; p is then exact.
+            return path, sample(p / total if total > 0 else target_probs[node + 1], generator)
+        path.append(kept)
+        node = kept
 
 
 def verify_sampling(draft: list[int], draft_probs: torch.Tensor | None, target_probs: torch.Tensor,

@@ -5,7 +5,7 @@ Examples: ``none``, ``draft``, ``draft:k=3``, ``draft:policy=cost``, ``layerskip
 ``hybrid:window=256`` (the draft reads a long prompt's last 256 tokens), ``hybrid:vocab=0,window=0``
 (the full head and the whole prompt), ``suffix:global=0,min_prob=0.2`` (suffix decoding over the request
 alone, drafting only paths of probability 0.2 or more), ``hybrid:lookup=suffix`` (hybrid with the suffix
-drafter as its context lookup).
+drafter as its context lookup), ``suffix:width=3`` (suffix drafts as token trees of up to 3 ways per node).
 An option a string leaves out takes the run's defaults: :data:`~verispec.config.DEFAULT_SPEC` (what
 ``verispec generate`` runs), as ``bench``'s -k, --k-policy, --confidence, --draft-vocab and
 --draft-window change it; so ``draft`` is the draft model under the default cost policy, and
@@ -48,6 +48,8 @@ OPTIONS: dict[str, tuple[str, type]] = {
     "suffix_min_prob": ("suffix_min_prob", float),
     "factor": ("suffix_factor", float),
     "suffix_factor": ("suffix_factor", float),
+    "width": ("suffix_width", int),
+    "suffix_width": ("suffix_width", int),
 }
 
 

@@ -78,8 +78,13 @@ def _make_suffix(spec: SpecConfig, ctx: DraftContext) -> SuffixDrafter:
     of earlier outputs (one per budget, kept in ``ctx.shared``)."""
     from verispec.drafters.suffix import OutputIndex, SuffixDrafter
 
-    outputs = OutputIndex.shared(ctx.shared, spec.suffix_global) if spec.suffix_global else None
-    return SuffixDrafter(outputs, spec.suffix_min_prob, spec.suffix_factor)
+    if spec.suffix_width > 1 and not ctx.trees:
+        raise VerispecError(f"suffix_width={spec.suffix_width} drafts token trees, which do not work with "
+                            "--compile or tensor parallelism yet (use suffix_width=1)")
+    # One index per drafter key (the settings but k): requests that speculate alike share it, and methods
+    # compared in one benchmark run never draft from each other's answers to the same prompt.
+    outputs = OutputIndex.shared(ctx.shared, spec.suffix_global, spec.drafter_key) if spec.suffix_global else None
+    return SuffixDrafter(outputs, spec.suffix_min_prob, spec.suffix_factor, width=spec.suffix_width)
 
 
 def _make_hybrid(spec: SpecConfig, ctx: DraftContext) -> Drafter:

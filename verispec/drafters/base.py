@@ -33,6 +33,9 @@ class DraftContext:
     # State the drafters of one engine share, by key (the suffix drafter's index of earlier outputs). The
     # engine passes one dict to every context it builds, so nothing is shared across engines.
     shared: dict[Hashable, Any] = field(default_factory=dict)
+    # The target's forward takes token trees (an eager forward in one process; compiled and tensor-parallel
+    # forwards take chains only).
+    trees: bool = True
 
 
 @dataclass
@@ -41,10 +44,25 @@ class Proposal:
 
     ``probs`` is ``[len(tokens), V]``; None means the proposal is deterministic (q is one-hot),
     which keeps rejection sampling exact for drafters that have no distribution.
+    ``parents`` makes the tokens a token tree: each token's parent (-1: the sequence's last token),
+    parents before children, siblings distinct; None is a chain. Trees are deterministic (no
+    ``probs``), and the engine scores every node in one forward. A drafter's :meth:`Drafter.commit`
+    counts only the tree's leading chain (tokens 0, 1, ... each the child of the one before) as its
+    own, so a drafter that caches its proposal puts that chain first.
     """
 
     tokens: list[int]
     probs: torch.Tensor | None = None
+    parents: list[int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.parents is not None and (len(self.parents) != len(self.tokens) or self.probs is not None):
+            raise ValueError("a token tree names one parent per token and has no draft distributions")
+
+    def cut(self, k: int) -> Proposal:
+        """The first ``k`` tokens (a tree keeps its first k nodes: their parents come before them)."""
+        return Proposal(self.tokens[:k], None if self.probs is None else self.probs[:k],
+                        None if self.parents is None else self.parents[:k])
 
 
 class Drafter(ABC):

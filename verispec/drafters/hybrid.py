@@ -65,7 +65,7 @@ class HybridDrafter(Drafter):
             self._best_lookup(seq, k, params, generator)
         if lookup is not None:
             self.counts[lookup[0]] += 1
-            return Proposal(lookup[1].tokens[:k])  # lookups are deterministic: no distributions
+            return lookup[1].cut(k)  # lookups are deterministic: no distributions
         self.counts["none"] += 1
         return Proposal([])
 

@@ -8,6 +8,9 @@ continuation among its occurrences, chosen token by token. Proposals are determi
 
 from __future__ import annotations
 
+import heapq
+import itertools
+
 import numpy as np
 import torch
 
@@ -16,35 +19,55 @@ from verispec.drafters.datastore import SEPARATOR, BuildSummary, Datastore, buil
 from verispec.drafters.suffix_array import longest_match
 from verispec.sampling import SamplingParams
 
-__all__ = ["BuildSummary", "Datastore", "RetrievalDrafter", "build_datastore", "most_frequent_continuation"]
+__all__ = ["BuildSummary", "Datastore", "RetrievalDrafter", "build_datastore", "continuation_tree",
+           "most_frequent_continuation"]
+
+
+def continuation_tree(continuations: np.ndarray, k: int, min_prob: float = 0.0,
+                      width: int = 1) -> tuple[list[int], list[int]]:
+    """The most probable continuations in ``continuations`` ``[N, >= depth]`` (negative ids end a row) as
+    a token tree of at most ``k`` nodes: (tokens, parents), parents before children, -1 for the root.
+
+    A node's probability is its path's empirical probability: the product, over its tokens, of each
+    token's share of the rows that agree so far and go on. Each node offers its ``width`` most frequent
+    next tokens (ties: the smaller id), and the tree grows best first by probability, keeping nodes of
+    probability ``min_prob`` or more. ``width`` 1 gives the greedy most frequent path: the most
+    frequent first token, the most frequent second among rows starting with it, and so on.
+    """
+    tokens: list[int] = []
+    parents: list[int] = []
+    depth_max = continuations.shape[1] if continuations.ndim == 2 else 0
+    order = itertools.count()  # equal probabilities: the node offered first
+    heap: list[tuple[float, int, int, int, int, np.ndarray]] = []
+
+    def offer(parent: int, depth: int, alive: np.ndarray, prob: float) -> None:
+        if depth >= depth_max:
+            return
+        col = continuations[alive, depth]
+        col = col[col >= 0]
+        if len(col) == 0:
+            return
+        values, counts = np.unique(col, return_counts=True)
+        for best in np.argsort(-counts, kind="stable")[:width]:  # stable: ties keep unique's ascending ids
+            p = prob * int(counts[best]) / len(col)
+            if p < min_prob:
+                break
+            tok = int(values[best])
+            heapq.heappush(heap, (-p, next(order), parent, depth, tok, alive & (continuations[:, depth] == tok)))
+
+    if k > 0:
+        offer(-1, 0, np.ones(len(continuations), dtype=bool), 1.0)
+    while heap and len(tokens) < k:
+        neg_p, _, parent, depth, tok, alive = heapq.heappop(heap)
+        tokens.append(tok)
+        parents.append(parent)
+        offer(len(tokens) - 1, depth + 1, alive, -neg_p)
+    return tokens, parents
 
 
 def most_frequent_continuation(continuations: np.ndarray, k: int, min_prob: float = 0.0) -> list[int]:
-    """Greedy most-frequent path through ``continuations`` ``[N, >= k]`` (negative ids end a row).
-
-    The first token is the most frequent first token; the second the most frequent among rows
-    that start with it; and so on. Ties go to the smallest id, so the result is deterministic.
-    With ``min_prob`` the path stops before the token that would bring its empirical probability
-    below it: the product, over its tokens, of each token's share of the rows that agree so far
-    and go on.
-    """
-    out: list[int] = []
-    alive = np.ones(len(continuations), dtype=bool)
-    prob = 1.0
-    for j in range(min(k, continuations.shape[1] if continuations.ndim == 2 else 0)):
-        col = continuations[alive, j]
-        col = col[col >= 0]
-        if len(col) == 0:
-            break
-        values, counts = np.unique(col, return_counts=True)
-        best = int(np.argmax(counts))  # argmax takes the first maximum: the smallest id
-        prob *= int(counts[best]) / len(col)
-        if prob < min_prob:
-            break
-        tok = int(values[best])
-        out.append(tok)
-        alive &= continuations[:, j] == tok
-    return out
+    """The greedy most frequent path through ``continuations`` (:func:`continuation_tree` of width 1)."""
+    return continuation_tree(continuations, k, min_prob)[0]
 
 
 class RetrievalDrafter(Drafter):

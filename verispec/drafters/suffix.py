@@ -7,8 +7,10 @@ bounded in tokens). The drafter reads what followed every occurrence of that lon
 and proposes the most frequent continuation token by token, as long as the path's empirical
 probability stays at or above ``min_prob`` and the draft is no longer than ``factor`` times the
 match (and ``MAX_DRAFT`` tokens, and k): a long match with one agreed continuation drafts far, a
-short or ambiguous one little or nothing. No model runs; proposals are deterministic (``probs``
-None), so verification stays exact.
+short or ambiguous one little or nothing. With ``width`` above 1 the draft is a token tree of the
+most probable continuations (up to ``width`` per node, grown best first, as many nodes as a chain
+would have tokens): where earlier occurrences disagree, each way is drafted. No model runs;
+proposals are deterministic (``probs`` None), so verification stays exact.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import torch
 
 from verispec.config import SpecConfig
 from verispec.drafters.base import Drafter, Proposal
-from verispec.drafters.retrieval import most_frequent_continuation
+from verispec.drafters.retrieval import continuation_tree
 from verispec.sampling import SamplingParams
 
 __all__ = ["OutputIndex", "RequestIndex", "SuffixDrafter"]
@@ -106,11 +108,12 @@ class OutputIndex:
         self._ids = itertools.count()
 
     @classmethod
-    def shared(cls, registry: dict, budget: int) -> OutputIndex:
-        """The index of ``budget`` tokens that ``registry`` (an engine's :attr:`DraftContext.shared`) holds."""
-        index = registry.get((cls.__name__, budget))
+    def shared(cls, registry: dict, budget: int, owner: str = "") -> OutputIndex:
+        """The index of ``budget`` tokens that ``registry`` (an engine's :attr:`DraftContext.shared`) holds
+        for ``owner`` (the speculation settings of the requests that share it)."""
+        index = registry.get((cls.__name__, budget, owner))
         if index is None:
-            index = registry[(cls.__name__, budget)] = cls(budget)
+            index = registry[(cls.__name__, budget, owner)] = cls(budget)
         return index
 
     @staticmethod
@@ -183,18 +186,19 @@ class SuffixDrafter(Drafter):
     name = "suffix"
 
     def __init__(self, outputs: OutputIndex | None = None, min_prob: float = _DEFAULTS.suffix_min_prob,
-                 factor: float = _DEFAULTS.suffix_factor, max_match: int = MAX_MATCH) -> None:
-        if not 0.0 <= min_prob <= 1.0 or factor <= 0 or max_match < 1:
-            raise ValueError("need 0 <= min_prob <= 1, factor > 0 and max_match >= 1")
+                 factor: float = _DEFAULTS.suffix_factor, max_match: int = MAX_MATCH,
+                 width: int = _DEFAULTS.suffix_width) -> None:
+        if not 0.0 <= min_prob <= 1.0 or factor <= 0 or max_match < 1 or width < 1:
+            raise ValueError("need 0 <= min_prob <= 1, factor > 0, max_match >= 1 and width >= 1")
         self.outputs = outputs
-        self.min_prob, self.factor, self.max_n = min_prob, factor, max_match
+        self.min_prob, self.factor, self.max_n, self.width = min_prob, factor, max_match, width
         self.begin([])
 
     def begin(self, prompt: list[int]) -> None:
         self.index = RequestIndex()
         self.prompt_len = len(prompt)
         self.last_match = 0
-        self._offered: tuple[int, list[int]] | None = None  # (len(seq), draft) from free_tokens
+        self._offered: tuple[int, Proposal] | None = None  # (len(seq), draft) from free_tokens
 
     def commit(self, n_valid: int) -> None:
         self._offered = None
@@ -208,25 +212,29 @@ class SuffixDrafter(Drafter):
 
     def free_tokens(self, seq: list[int], k: int, params: SamplingParams, generator: torch.Generator | None) -> int:
         # The draft's length already follows its confidence: the engine drafts it whatever its k policy says.
-        tokens, _ = self.lookup(seq, k)
-        self._offered = (len(seq), tokens)
-        return len(tokens)
+        proposal, _ = self._draft(seq, k)
+        self._offered = (len(seq), proposal)
+        return len(proposal.tokens)
 
     def propose(self, seq: list[int], k: int, params: SamplingParams, generator: torch.Generator | None) -> Proposal:
         offered, self._offered = self._offered, None
         if offered is not None and offered[0] == len(seq):
-            return Proposal(offered[1][:k])  # a shorter limit only cuts the same path shorter
-        tokens, _ = self.lookup(seq, k)
-        return Proposal(tokens)
+            return offered[1].cut(k)  # a smaller budget keeps the same tree's first nodes
+        return self._draft(seq, k)[0]
 
     def lookup(self, seq: list[int], k: int) -> tuple[list[int], int]:
         """(draft of at most ``k`` tokens, length of the match it continues) for ``seq``; ([], 0) when none."""
+        proposal, m = self._draft(seq, k)
+        return proposal.tokens, m
+
+    def _draft(self, seq: list[int], k: int) -> tuple[Proposal, int]:
+        """(draft of at most ``k`` tokens, a tree if ``width`` > 1, and the match length) for ``seq``."""
         if len(seq) < len(self.index):  # a different sequence than the one indexed
             self.index = RequestIndex()
         self.index.extend(seq)
         self.last_match = 0
         if k <= 0:
-            return [], 0
+            return Proposal([]), 0
         outputs = self.outputs
         for n in range(min(ANCHOR, len(seq)), 0, -1):
             gram = tuple(seq[-n:])
@@ -235,7 +243,7 @@ class SuffixDrafter(Drafter):
             if mine or theirs:
                 break
         else:
-            return [], 0
+            return Proposal([]), 0
         found: list[tuple[Sequence[int], int, int | None]] = [(seq, end, None) for end in mine]
         found += [(outputs.docs[doc], end, doc) for doc, end in theirs]
         # Below ANCHOR tokens the (n + 1)-gram occurs nowhere, so every occurrence matches exactly n.
@@ -251,4 +259,6 @@ class SuffixDrafter(Drafter):
         if outputs is not None:
             outputs.touch(doc for _, _, doc in best if doc is not None)
         self.last_match = m
-        return most_frequent_continuation(conts, limit, self.min_prob), m
+        tokens, parents = continuation_tree(conts, limit, self.min_prob, self.width)
+        tree = self.width > 1 and parents != list(range(-1, len(tokens) - 1))
+        return Proposal(tokens, parents=parents if tree else None), m

@@ -317,7 +317,8 @@ class Engine:
     def draft_context(self) -> DraftContext:
         """What per-row drafters for this engine are built from (its models, cache and tokenizer)."""
         return DraftContext(self.target, self.cache, self.draft, self.tokenizer, frozenset(self.eos_ids),
-                            self.max_len + SLACK, self.config.compile, self._shared)
+                            self.max_len + SLACK, self.config.compile, self._shared,
+                            trees=not self.config.compile and self.config.tp == 1)
 
     def drafter(self, spec: SpecConfig) -> Drafter | None:
         """A new per-row drafter for ``spec`` (None for plain decoding and for method ``draft``, whose

@@ -4,6 +4,10 @@ For each row (Leviathan et al., 2023): (1) propose up to k draft tokens d1..dk; 
 [last token, d1..dk] with the target; (3) verify, keeping the longest valid prefix d1..dn plus one
 token of the target's (so even an all-rejected step yields a token, and plain decoding is k = 0);
 (4) roll back to what was accepted. Invariant: a row's target cache holds ``seq[:-1]``.
+A proposal may be a token tree (:class:`~verispec.drafters.base.Proposal` ``parents``): its nodes
+take the same consecutive slots, each attends to its own root path (the forward's ``tree`` masks),
+verification keeps one root path, and rollback moves that path's K/V to the slots right after the
+row's last token (compaction; a chain's accepted prefix is already there).
 A step feeds each row ``[last token, d1..dk_row]`` at its own positions; rows are right-padded to
 the batch's widest ``k + 1`` with copies of their last token at the following positions. Padding
 K/V land past the row's length, are hidden from its real queries by the causal-by-position mask,
@@ -34,7 +38,7 @@ from verispec.engine.metrics import Metrics, sync
 from verispec.models.kv_cache import KVCache
 from verispec.models.llama import Transformer
 from verispec.sampling import SamplingParams, probs_from_logits
-from verispec.verify import verify_greedy, verify_sampling
+from verispec.verify import verify_greedy, verify_sampling, verify_tree_sampling
 
 
 @dataclass(eq=False)
@@ -117,7 +121,8 @@ def speculative_step(target: Transformer, cache: KVCache, rows: list[Row], draft
                 proposals[i] = r.drafter.propose(r.seq, r.k, r.params, r.generator)
             except Exception as e:  # noqa: BLE001 (this row's drafter: the row fails, the step goes on)
                 failed[i] = e
-    drafts = [p.tokens[:r.k] for p, r in zip(proposals, rows, strict=True)]
+    proposals = [p.cut(r.k) for p, r in zip(proposals, rows, strict=True)]
+    drafts = [p.tokens for p in proposals]
     live = [i for i in range(len(rows)) if i not in failed]
     t1 = time.perf_counter()
     report = StepReport(len(rows), 0, 0, 0, t1 - t0, 0.0, 0.0, context=max(len(r.seq) for r in rows),
@@ -137,12 +142,21 @@ def speculative_step(target: Transformer, cache: KVCache, rows: list[Row], draft
         tokens[r.slot - lo] = torch.tensor(real + [real[-1]] * (width - len(real)))
         starts[r.slot - lo] = len(r.seq) - 1
     pos = torch.tensor(starts).unsqueeze(1) + torch.arange(width)
+    trees = [i for i in live if proposals[i].parents is not None]
+    tree = None
+    if trees:  # every other row (and padding) a chain: token t sees tokens 0..t
+        tree = ((1 << (torch.arange(width) + 1)) - 1).repeat(hi - lo, 1)
+        for i in trees:
+            masks = tree[rows[i].slot - lo]
+            for node, parent in enumerate(proposals[i].parents):
+                masks[node + 1] = masks[parent + 1] | (1 << (node + 1))
     # Keys up to the stepping rows' last position: a hole's dummies may sit further out (a row still
     # prefilling, a free slot's cached prefix); they are written all the same, and what their queries
     # attend to is never read. Every row attending to a hole's length would pay for it.
     kv_len = max(len(r.seq) for r in rows) - 1 + width
+    tree_arg = {} if tree is None else {"tree": tree.to(target.device)}  # compiled forwards take no trees
     logits = target(tokens.to(target.device), pos.to(target.device), cache, kv_len=kv_len,
-                    rows=slice(None) if full_span else slice(lo, hi))
+                    rows=slice(None) if full_span else slice(lo, hi), **tree_arg)
     sync(logits.device)  # charge the forward to "score", not to the first sync in "verify"
     t2 = time.perf_counter()
     report.span, report.width, report.score_s = hi - lo, width, t2 - t1
@@ -153,24 +167,30 @@ def speculative_step(target: Transformer, cache: KVCache, rows: list[Row], draft
         r, d, p = rows[i], drafts[i], proposals[i]
         row_logits = logits[r.slot - lo, : len(d) + 1]
         if r.params.greedy:
-            verdicts.append(verify_greedy(d, row_logits))
+            verdicts.append(verify_greedy(d, row_logits, p.parents))
+        elif p.parents is not None:
+            verdicts.append(verify_tree_sampling(d, p.parents, probs_from_logits(row_logits, r.params), r.generator))
         else:
             q = None if p.probs is None else p.probs[: len(d)].to(row_logits.device)
-            verdicts.append(verify_sampling(d, q, probs_from_logits(row_logits, r.params), r.generator))
-    # 4. Roll back to what was accepted: the row keeps K/V for seq[-1] and d1..dn.
-    for i, (n, extra) in zip(live, verdicts, strict=True):
-        r, d = rows[i], drafts[i]
+            n, extra = verify_sampling(d, q, probs_from_logits(row_logits, r.params), r.generator)
+            verdicts.append((list(range(n)), extra))
+    # 4. Roll back to what was accepted: the row keeps K/V for seq[-1] and its accepted path d_a1..d_an.
+    for i, (path, extra) in zip(live, verdicts, strict=True):
+        r, d, n = rows[i], drafts[i], len(path)
+        chain_n = next((j for j, node in enumerate(path) if node != j), n)  # the drafter's own chain, kept
         if r.drafter is not None:
             try:
-                r.drafter.commit(len(r.seq) + n)
+                r.drafter.commit(len(r.seq) + chain_n)
             except Exception as e:  # noqa: BLE001 (this row's drafter, as in propose: its cache stays put)
                 failed[i] = e
                 continue
         if r.model_draft and draft_model is not None:
-            draft_model.commit(r.slot, len(r.seq) + n)
+            draft_model.commit(r.slot, len(r.seq) + chain_n)
+        if chain_n < n:
+            _compact(cache, r.slot, len(r.seq), path)
         cache.lengths[r.slot] = len(r.seq) + n
         r.metrics.record_step(r.k, len(d), n)
-        report.new_tokens[i] = d[:n] + [extra]
+        report.new_tokens[i] = [d[node] for node in path] + [extra]
         report.drafted[i] = len(d)
         report.accepted[i] = n
     t3 = time.perf_counter()
@@ -185,6 +205,18 @@ def speculative_step(target: Transformer, cache: KVCache, rows: list[Row], draft
         for stage, s in (("propose", report.propose_s), ("score", report.score_s), ("verify", report.verify_s)):
             r.metrics.stage_s[stage] += s
     return report
+
+
+def _compact(cache: KVCache, row: int, first: int, path: list[int]) -> None:
+    """Move the K/V of a tree's accepted ``path`` (draft indices; node i sits at slot ``first + i``) to
+    slots ``first, first + 1, ...``. Their keys are already rotated for those positions: a node's
+    rotary position is its depth."""
+    device = cache.k[0].device
+    src = torch.tensor([first + node for node in path], device=device)
+    dst = torch.arange(first, first + len(path), device=device)
+    for k, v in zip(cache.k, cache.v, strict=True):  # each gather is a copy: overlapping slots are safe
+        k[row, :, dst] = k[row, :, src]
+        v[row, :, dst] = v[row, :, src]
 
 
 @dataclass

@@ -343,7 +343,8 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def attend(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
-           v_cache: torch.Tensor, kv_len: int, n_heads: int, n_kv_heads: int) -> torch.Tensor:
+           v_cache: torch.Tensor, kv_len: int, n_heads: int, n_kv_heads: int,
+           ancestors: torch.Tensor | None = None) -> torch.Tensor:
     """RoPE, K/V cache write and grouped-query attention of a few queries per row, in one call.
 
     ``qkv`` ``[B, m, (H + 2 KV) * D]`` (the fused projection's output: q heads, k heads, v heads),
@@ -354,13 +355,17 @@ def attend(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: t
     head h attends with KV head ``h // (H / KV)`` to keys ``j < kv_len`` and ``j <= positions[b, i]``,
     scores scaled by ``D ** -0.5`` and softmax in fp32. Returns ``[B, m, H * D]`` in qkv's dtype.
     A query's result does not depend on the other rows or queries in the call (bit for bit).
+    ``ancestors`` int64 ``[B, m]`` (m <= 63) makes each row's new tokens a token tree: they take the
+    consecutive slots ``positions[b, 0] + i``, and query i sees keys before ``positions[b, 0]`` and,
+    of the new tokens, those whose bit is set in ``ancestors[b, i]`` (bit i and only bits below it).
     Raises ValueError where :func:`attend_applies` is false (the caller keeps its Python path).
     """
     d = k_cache.shape[-1]
     if not attend_applies(d, qkv.dtype):
         raise ValueError(f"attend does not apply to head_dim {d} / {qkv.dtype} (needs a multiple of 16 up to "
                          f"{ATTEND_MAX_HEAD_DIM}, fp32 or bf16)")
-    return (_EXT or _ext()).attend(qkv, cos, sin, positions, k_cache, v_cache, kv_len, n_heads, n_kv_heads)
+    return (_EXT or _ext()).attend(qkv, cos, sin, positions, k_cache, v_cache, kv_len, n_heads, n_kv_heads,
+                                   ancestors)
 
 
 def main() -> None:

@@ -14,6 +14,11 @@
 //                                    rotate-half RoPE of q and k, K/V written into the cache at
 //                                    the positions, then grouped-query attention of every query
 //                                    over keys j < kv_len and j <= its position.
+//   attend(..., ancestors)           a token tree: row b's m new tokens take slots positions[b, 0] + i
+//                                    and query i sees, of them, only those whose bit is set in
+//                                    ancestors[b, i] (its root path); keys before the first slot
+//                                    stay visible. RoPE follows cos/sin, which the caller takes
+//                                    at each node's depth.
 //
 // "round" is a rounding to the tensors' dtype (bf16, or nothing for fp32): the roundings the
 // PyTorch reference (verispec/models/llama.py) makes between its ops are kept where they are
@@ -434,8 +439,8 @@ VS_AVX512 inline void prefetch_keys(const T* kb, const T* vb, const AttnShape& s
 // All queries of KV head `kv` of row `b`: heads kv * G .. kv * G + G - 1 at the m positions.
 template <class T>
 VS_AVX512 void attend_group(const AttnShape& s, const T* qkv, const T* cos, const T* sin, const int64_t* pos,
-                            const T* kc, const T* vc, T* out, int64_t b, int64_t kv, int64_t chunk,
-                            int64_t n_chunks) {
+                            const int64_t* anc, const T* kc, const T* vc, T* out, int64_t b, int64_t kv,
+                            int64_t chunk, int64_t n_chunks) {
   using Word = typename Attn<T>::Word;
   const int64_t g_size = s.h / s.kv, d = s.d, m = s.m, nq = g_size * m;
   const int64_t words = d / Attn<T>::per_word;
@@ -450,6 +455,9 @@ VS_AVX512 void attend_group(const AttnShape& s, const T* qkv, const T* cos, cons
   std::vector<Word> qt(words * 8);  // [words / 2][16 lanes]
   std::vector<float> scores(n_pad * QB), acc(QB * ld);
   std::vector<uint32_t> pairs(sizeof(T) == 2 ? n_pad / 2 * QB : 0);
+  // A tree: per pair of keys (j, j + 1), the lanes (query r of the block: bit r for key j, r + QB for
+  // key j + 1) that may see them. Only the row's new slots are ever cleared (a query's non-ancestors).
+  std::vector<uint16_t> keep(anc ? n_pad / 2 : 0);
   alignas(64) int32_t n_of[16];
   alignas(64) float sums[16];
   const __m512 scale = _mm512_set1_ps(s.scale);
@@ -468,6 +476,17 @@ VS_AVX512 void attend_group(const AttnShape& s, const T* qkv, const T* cos, cons
       n_of[r] = n_of[r + QB] = static_cast<int32_t>(std::min(s.kv_len, pb[i] + 1));
       n_blk = std::max<int64_t>(n_blk, n_of[r]);
     }
+    if (anc) {
+      std::fill(keep.begin(), keep.end(), uint16_t(0xFFFF));
+      for (int64_t r = 0; r < nb; ++r) {
+        const int64_t i = (q0 + r) % m, a = anc[b * m + i];
+        for (int64_t t = 0; t < i; ++t) {
+          if ((a >> t) & 1) continue;
+          const int64_t j = pb[0] + t;
+          keep[j / 2] &= static_cast<uint16_t>(~(1u << (r + (j & 1) * QB)));
+        }
+      }
+    }
     // Scores, KB keys at a time (keys past n_blk read key n_blk - 1 again; never used).
     for (int64_t j0 = 0; j0 < n_blk; j0 += KB) {
       if (blk == chunk) prefetch_keys(kb, vb, s, std::min(n_blk, j0 + PF), std::min(n_blk, j0 + PF + KB));
@@ -481,14 +500,16 @@ VS_AVX512 void attend_group(const AttnShape& s, const T* qkv, const T* cos, cons
     __m512 mx = _mm512_set1_ps(-INFINITY);
     for (int64_t j = 0; j < n_blk; j += 2) {
       const __m512i jv = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(j)), step);
-      mx = _mm512_mask_max_ps(mx, _mm512_cmpgt_epi32_mask(nv, jv), mx, _mm512_loadu_ps(scores.data() + j * QB));
+      const __mmask16 seen = _mm512_cmpgt_epi32_mask(nv, jv) & (anc ? keep[j / 2] : 0xFFFF);
+      mx = _mm512_mask_max_ps(mx, seen, mx, _mm512_loadu_ps(scores.data() + j * QB));
     }
     mx = _mm512_max_ps(mx, _mm512_shuffle_f32x4(mx, mx, _MM_SHUFFLE(1, 0, 3, 2)));  // both keys' lanes
     __m512 sum = _mm512_setzero_ps();
     for (int64_t j = 0; j < n_blk; j += 2) {
       const __m512i jv = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(j)), step);
       float* sj = scores.data() + j * QB;
-      __m512 e = _mm512_maskz_mov_ps(_mm512_cmpgt_epi32_mask(nv, jv), exp512(_mm512_sub_ps(_mm512_loadu_ps(sj), mx)));
+      const __mmask16 seen = _mm512_cmpgt_epi32_mask(nv, jv) & (anc ? keep[j / 2] : 0xFFFF);
+      __m512 e = _mm512_maskz_mov_ps(seen, exp512(_mm512_sub_ps(_mm512_loadu_ps(sj), mx)));
       if constexpr (sizeof(T) == 2) {  // bf16 pairs (key j, key j + 1) per query, for vdpbf16ps
         const __m256i h = (__m256i)_mm512_cvtneps_pbh(e);
         const __m128i a = _mm256_castsi256_si128(h), c = _mm256_extracti128_si256(h, 1);
@@ -527,8 +548,8 @@ VS_AVX512 void write_kv(const AttnShape& s, const T* qkv, const T* cos, const T*
 }
 
 template <class T>
-void attend_impl(const AttnShape& s, const T* qkv, const T* cos, const T* sin, const int64_t* pos, T* kc, T* vc,
-                 T* out) {
+void attend_impl(const AttnShape& s, const T* qkv, const T* cos, const T* sin, const int64_t* pos,
+                 const int64_t* anc, T* kc, T* vc, T* out) {
   write_kv(s, qkv, cos, sin, pos, kc, vc);  // all of them before any query attends
   // Attention per (row, KV head). Work ~ keys * queries * d (twice); below ~128K multiply-adds in
   // all (a few microseconds), one thread does everything: a fork would cost more than it saves.
@@ -551,7 +572,7 @@ void attend_impl(const AttnShape& s, const T* qkv, const T* cos, const T* sin, c
   at::parallel_for(0, tasks, fork ? 1 : tasks, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t g = t / n_chunks;
-      attend_group(s, qkv, cos, sin, pos, kc, vc, out, g / s.kv, g % s.kv, t % n_chunks, n_chunks);
+      attend_group(s, qkv, cos, sin, pos, anc, kc, vc, out, g / s.kv, g % s.kv, t % n_chunks, n_chunks);
     }
   });
 }
@@ -644,7 +665,7 @@ torch::Tensor silu_mul(const torch::Tensor& gate_up_in) {
 
 torch::Tensor attend(const torch::Tensor& qkv_in, const torch::Tensor& cos_in, const torch::Tensor& sin_in,
                      const torch::Tensor& positions_in, torch::Tensor& k_cache, torch::Tensor& v_cache, int64_t kv_len,
-                     int64_t n_heads, int64_t n_kv_heads) {
+                     int64_t n_heads, int64_t n_kv_heads, const c10::optional<torch::Tensor>& ancestors_in) {
   check_cpu();
   check_float(qkv_in, "attend: qkv");
   const auto qkv = qkv_in.contiguous();
@@ -680,6 +701,22 @@ torch::Tensor attend(const torch::Tensor& qkv_in, const torch::Tensor& cos_in, c
   const int64_t* pos = positions.data_ptr<int64_t>();
   for (int64_t i = 0; i < s.b * s.m; ++i)
     TORCH_CHECK(pos[i] >= 0 && pos[i] < s.cache_len, "attend: position ", pos[i], " outside the cache");
+  torch::Tensor ancestors;
+  const int64_t* anc = nullptr;
+  if (ancestors_in.has_value()) {
+    ancestors = ancestors_in->to(torch::kLong).contiguous();
+    TORCH_CHECK(ancestors.dim() == 2 && ancestors.size(0) == s.b && ancestors.size(1) == s.m && s.m <= 63,
+                "attend: ancestors int64 [B, m] with m <= 63");
+    anc = ancestors.data_ptr<int64_t>();
+    for (int64_t b = 0; b < s.b; ++b) {
+      for (int64_t i = 0; i < s.m; ++i) {
+        const int64_t a = anc[b * s.m + i];
+        TORCH_CHECK(pos[b * s.m + i] == pos[b * s.m] + i, "attend: a tree's slots must be consecutive per row");
+        TORCH_CHECK(a >= 0 && (a >> i) == 1,
+                    "attend: ancestors[b, i] must hold bit i and only bits below it");
+      }
+    }
+  }
   for (int i = 0; i < 3; ++i) {
     s.ks[i] = k_cache.stride(i);
     s.vs[i] = v_cache.stride(i);
@@ -689,10 +726,10 @@ torch::Tensor attend(const torch::Tensor& qkv_in, const torch::Tensor& cos_in, c
   if (s.b == 0 || s.m == 0) return out;
   if (type == torch::kBFloat16) {
     attend_impl(s, static_cast<const bf16_t*>(qkv.data_ptr()), static_cast<const bf16_t*>(cos.data_ptr()),
-                static_cast<const bf16_t*>(sin.data_ptr()), pos, static_cast<bf16_t*>(k_cache.data_ptr()),
+                static_cast<const bf16_t*>(sin.data_ptr()), pos, anc, static_cast<bf16_t*>(k_cache.data_ptr()),
                 static_cast<bf16_t*>(v_cache.data_ptr()), static_cast<bf16_t*>(out.data_ptr()));
   } else {
-    attend_impl(s, qkv.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), pos,
+    attend_impl(s, qkv.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), pos, anc,
                 k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), out.data_ptr<float>());
   }
   return out;
@@ -711,6 +748,7 @@ void register_small_ops(pybind11::module_& m) {
   m.def("silu_mul", &silu_mul, "silu(gate) * up for gate_up [R, 2F] -> [R, F]", py::arg("gate_up"));
   m.def("attend", &attend, "RoPE, K/V cache write and grouped-query attention of a few queries per row",
         py::arg("qkv"), py::arg("cos"), py::arg("sin"), py::arg("positions"), py::arg("k_cache"),
-        py::arg("v_cache"), py::arg("kv_len"), py::arg("n_heads"), py::arg("n_kv_heads"));
+        py::arg("v_cache"), py::arg("kv_len"), py::arg("n_heads"), py::arg("n_kv_heads"),
+        py::arg("ancestors") = py::none());
 }
 }  // namespace VS_NS

@@ -76,6 +76,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 SMALL_M = 32
 
 
+def tree_depths(ancestors: torch.Tensor) -> torch.Tensor:
+    """Each token tree node's depth below its row's first new token: the bits set in its ancestor mask, less one."""
+    bits = torch.arange(SMALL_M + 1, device=ancestors.device)
+    return ((ancestors[..., None] >> bits) & 1).sum(-1) - 1
+
+
 def small_m_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask_bias: torch.Tensor) -> torch.Tensor:
     """Grouped-query attention of a few queries: ``q`` [B, H, m, D], ``k``/``v`` [B, KV, L, D].
 
@@ -166,7 +172,7 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, kv_len: int | None = None,
                 rows: slice = slice(None), last_only: bool = False, n_layers: int | None = None,
-                head: nn.Module | None = None) -> torch.Tensor:
+                head: nn.Module | None = None, tree: torch.Tensor | None = None) -> torch.Tensor:
         """Run ``tokens`` ``[B, m]`` at ``positions`` ``[B, m]``; return fp32 logits ``[B, m, vocab]``.
 
         ``rows`` selects the cache rows these B sequences occupy; ``kv_len`` bounds the keys
@@ -174,22 +180,35 @@ class Transformer(nn.Module):
         returns logits for the last position only (prefill). ``n_layers`` exits early after
         that many layers (self-speculative drafting). ``head`` replaces ``lm_head`` for this call
         (a drafter's reduced vocabulary head; the model itself, maybe shared, is left as it is).
+
+        ``tree`` (int64 ``[B, m]``, m <= SMALL_M) makes each row's tokens a token tree: token i's bit
+        mask of the tokens on its root path, itself included (bit i and only bits below it; token 0
+        is the root). The tokens take the consecutive cache slots ``positions[b, 0] + i``, sit at
+        rotary position ``positions[b, 0] + depth`` and attend to the keys before their row's first
+        slot and to their own root path. Without it, token i is at position and slot
+        ``positions[b, i]`` and attends causally by position.
         """
         b, m = tokens.shape
         if positions.shape != tokens.shape:  # else the rope tables and the K/V writes disagree with the tokens
             raise ValueError(f"positions {tuple(positions.shape)} must have the tokens' shape {(b, m)}")
         if kv_len is None:
             kv_len = int(positions.max()) + 1
+        rope_pos = positions
+        if tree is not None:
+            if tree.shape != tokens.shape or m > SMALL_M:
+                raise ValueError(f"a token tree needs ancestors of the tokens' shape {(b, m)} and at most "
+                                 f"{SMALL_M} tokens per row")
+            rope_pos = positions[:, :1] + tree_depths(tree)
         x = self.embed(tokens)
         if self._use_fused(x, cache):
-            return self._forward_fused(x, positions, cache, kv_len, rows, last_only, n_layers, head)
+            return self._forward_fused(x, positions, rope_pos, tree, cache, kv_len, rows, last_only, n_layers, head)
         if self._use_fused_elementwise(x):
             return self._forward_prefill(x, positions, cache, kv_len, rows, last_only, n_layers, head)
-        cos = self.rope_cos[positions].unsqueeze(1)
-        sin = self.rope_sin[positions].unsqueeze(1)
+        cos = self.rope_cos[rope_pos].unsqueeze(1)
+        sin = self.rope_sin[rope_pos].unsqueeze(1)
         a = self.args
         write = (torch.arange(b, device=tokens.device)[:, None].expand(b, m), positions)
-        mask = self._mask(positions, kv_len)
+        mask = self._mask(positions, kv_len, tree)
         whole = rows == slice(None)  # no view of the cache: a compiled forward writes into it in place
         for i, layer in enumerate(self.layers[: n_layers or a.n_layers]):
             k, v = (cache.k[i], cache.v[i]) if whole else (cache.k[i][rows], cache.v[i][rows])
@@ -259,14 +278,15 @@ class Transformer(nn.Module):
             h = h[:, -1:]
         return (head or self.lm_head)(h).float()
 
-    def _forward_fused(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache, kv_len: int, rows: slice,
-                       last_only: bool, n_layers: int | None, head: nn.Module | None = None) -> torch.Tensor:
+    def _forward_fused(self, x: torch.Tensor, positions: torch.Tensor, rope_pos: torch.Tensor,
+                       tree: torch.Tensor | None, cache: KVCache, kv_len: int, rows: slice, last_only: bool,
+                       n_layers: int | None, head: nn.Module | None = None) -> torch.Tensor:
         """:meth:`forward` for a few tokens per row through the fused ops: no mask is built (attention
         masks by position itself), and each layer is norm -> wqkv -> attend -> wo -> add + norm ->
         gate/up -> silu * up -> down -> add + the next norm (the final norm after the last layer)."""
         b, m, dim = x.shape
         x = x.reshape(b * m, dim)  # the residual stream, updated in place by add_rms_norm
-        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        cos, sin = self.rope_cos[rope_pos], self.rope_sin[rope_pos]
         layers = self.layers[: n_layers or self.args.n_layers]
         whole = rows == slice(None)
         kv_len = int(kv_len)
@@ -276,7 +296,7 @@ class Transformer(nn.Module):
             attn, mlp = layer.attn, layer.mlp
             k, v = (cache.k[i], cache.v[i]) if whole else (cache.k[i][rows], cache.v[i][rows])
             o = fast_kernels.attend(small_m_call(attn.wqkv, h).view(b, m, -1), cos, sin, positions, k, v, kv_len,
-                                    attn.n_heads, attn.n_kv_heads)
+                                    attn.n_heads, attn.n_kv_heads, tree)
             h = fast_kernels.add_rms_norm(x, small_m_call(attn.wo, o.view(b * m, -1)), layer.mlp_norm.weight,
                                           layer.mlp_norm.eps)
             norm = layers[i + 1].attn_norm if i + 1 < len(layers) else self.norm
@@ -288,8 +308,9 @@ class Transformer(nn.Module):
         return (head or self.lm_head)(h).float()
 
     @staticmethod
-    def _mask(positions: torch.Tensor, kv_len: int) -> torch.Tensor:
-        """Causal by position, which also hides stale entries left past a row's length.
+    def _mask(positions: torch.Tensor, kv_len: int, tree: torch.Tensor | None = None) -> torch.Tensor:
+        """Causal by position, which also hides stale entries left past a row's length; with a token
+        ``tree`` (see :meth:`forward`) a row's new tokens also hide those off their root path.
 
         A few queries get an additive fp32 bias [B, 1, m, L] (see :func:`small_m_attention`);
         longer blocks a boolean mask for SDPA, or an empty tensor when one row fills positions
@@ -298,7 +319,13 @@ class Transformer(nn.Module):
         b, m = positions.shape
         if m > SMALL_M and b == 1 and kv_len == m:
             return torch.empty(0, device=positions.device)
-        allowed = torch.arange(kv_len, device=positions.device)[None, None, None, :] <= positions[:, None, :, None]
+        keys = torch.arange(kv_len, device=positions.device)
+        allowed = keys[None, None, None, :] <= positions[:, None, :, None]
+        if tree is not None:  # key slot j = first + t is new token t: seen where bit t of the query's mask is set
+            t = keys[None, :] - positions[:, :1]  # [B, L]
+            new = (t >= 0) & (t < m)
+            bit = (tree[:, :, None] >> t.clamp(0, m - 1)[:, None, :]) & 1  # [B, m, L]
+            allowed &= (~new[:, None, :] | bit.bool())[:, None]
         if m > SMALL_M:
             return allowed
         return torch.zeros(allowed.shape, device=positions.device).masked_fill_(~allowed, float("-inf"))
