@@ -46,7 +46,8 @@ class Proposal:
     which keeps rejection sampling exact for drafters that have no distribution.
     ``parents`` makes the tokens a token tree: each token's parent (-1: the sequence's last token),
     parents before children, siblings distinct; None is a chain. Trees are deterministic (no
-    ``probs``), and the engine scores every node in one forward. A drafter's :meth:`Drafter.commit`
+    ``probs``), and the engine scores every node in one forward; metrics and k policies count a tree
+    as drafting the positions of its deepest path. A drafter's :meth:`Drafter.commit`
     counts only the tree's leading chain (tokens 0, 1, ... each the child of the one before) as its
     own, so a drafter that caches its proposal puts that chain first.
     """

@@ -189,9 +189,11 @@ def speculative_step(target: Transformer, cache: KVCache, rows: list[Row], draft
         if chain_n < n:
             _compact(cache, r.slot, len(r.seq), path)
         cache.lengths[r.slot] = len(r.seq) + n
-        r.metrics.record_step(r.k, len(d), n)
+        # A tree drafts the positions of its deepest path: acceptance counts per position, as for a chain.
+        drafted = len(d) if proposals[i].parents is None else _depth(proposals[i].parents)
+        r.metrics.record_step(r.k, drafted, n)
         report.new_tokens[i] = [d[node] for node in path] + [extra]
-        report.drafted[i] = len(d)
+        report.drafted[i] = drafted
         report.accepted[i] = n
     t3 = time.perf_counter()
     report.verify_s = t3 - t2
@@ -205,6 +207,14 @@ def speculative_step(target: Transformer, cache: KVCache, rows: list[Row], draft
         for stage, s in (("propose", report.propose_s), ("score", report.score_s), ("verify", report.verify_s)):
             r.metrics.stage_s[stage] += s
     return report
+
+
+def _depth(parents: list[int]) -> int:
+    """The number of tokens on a tree's deepest root path."""
+    depths: list[int] = []
+    for parent in parents:
+        depths.append(1 + (depths[parent] if parent >= 0 else 0))
+    return max(depths, default=0)
 
 
 def _compact(cache: KVCache, row: int, first: int, path: list[int]) -> None:
