@@ -332,6 +332,11 @@ SECTIONS: list[tuple[str, str, str, Any]] = [
      "suffix lookup, the lookups at k = 16 so a long copy is not cut short, and without the index of earlier "
      "outputs (`global=0`: every method answers the same prompts, and the index would hand a later method an "
      "earlier one's answer). No setting was tuned on these prompts.", bench_section),
+    ("trees", "Token trees: suffix drafts with several ways per node",
+     "The int4 pair, the hybrid with the suffix lookup drafting chains (`width=1`, the default) against token "
+     "trees of up to 3 continuations per node (`width=3`, the same node budget), without the index of earlier "
+     "outputs, on the packaged `code_edit` and `chat_code` requests; 256 new tokens. The width was looked at on "
+     "12 edit requests built from HumanEval 0-19 (`bench/code_edit_tune.py`), not on these.", bench_section),
     ("int4_long", "int4 target and draft against llama.cpp, long answers",
      "The report split (as above) plus the packaged `code_edit` requests, 256 new tokens: plain decoding, "
      "verispec's defaults and the hybrid with the suffix lookup (k = 16, without the index of earlier outputs, as "
@@ -340,6 +345,9 @@ SECTIONS: list[tuple[str, str, str, Any]] = [
      "runs the same GGUF file on the same prompt token ids. Tokens/s include the prefill. The ratio table "
      "divides every method's tokens/s by llama.cpp plain decoding's, per category; its last column is the mean "
      "over Spec-Bench's six categories.", bench_section),
+    ("int4_long_q8", "The same on 8-bit activations against llama.cpp",
+     "As the section above, with verispec's int4/int8 layers multiplying 8-bit activations (`--kernels q8`, "
+     "AVX-512 VNNI) for plain decoding and every method; llama.cpp unchanged.", bench_section),
     ("int4", "int4 target and draft, every drafter, against llama.cpp",
      "The same pair and peer, every drafter and k policy side by side on shorter answers, where the prefill is a "
      "larger share of the wall time.", bench_section),

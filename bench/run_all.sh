@@ -8,7 +8,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-docs/results}
-STEPS=${STEPS:-plain humaneval full report code_edit advise two_process stability concurrency prefix_reuse server sampling verify_cost kernels q8 fused_paths int4 int4_long draft_window draft_cost load compile}
+STEPS=${STEPS:-plain humaneval full report code_edit trees advise two_process stability concurrency prefix_reuse server sampling verify_cost kernels q8 fused_paths int4 int4_long int4_long_q8 draft_window draft_cost load compile}
 V=.venv/bin/verispec
 PY=.venv/bin/python
 PAIR=(--model qwen2.5-coder-1.5b-instruct --draft qwen2.5-coder-0.5b-instruct --dtype bfloat16 --weights dense
@@ -44,10 +44,13 @@ for step in $STEPS; do
         --no-progress --out "$D" ;;
     code_edit)    # requests to rewrite a quoted function, where most of the answer repeats the prompt: the
                   # lookups (n-gram, suffix decoding) against the defaults; 256 new tokens
-      # global=0: the methods take turns on each prompt, and an index of earlier outputs would hand the
-      # later ones the earlier ones' answer to copy
+      # global=0: each request matches only its own tokens, so no figure depends on the order of the prompts
       $V bench "${INT4_PAIR[@]}" --methods none,hybrid,ngram:k=16,suffix:k=16,global=0,hybrid:lookup=suffix,k=16,global=0 \
         --dataset code_edit --max-tokens 256 --no-progress --out "$D" ;;
+    trees)        # suffix drafts as token trees (width 3) against chains, in the hybrid, on the report split's
+                  # code edits and chat-formatted coding requests; 256 new tokens
+      $V bench "${INT4_PAIR[@]}" --methods none,hybrid:lookup=suffix,global=0,hybrid:lookup=suffix,global=0,width=3 \
+        --dataset code_edit,chat_code --max-tokens 256 --no-progress --out "$D" ;;
     advise)       # measured costs and acceptance, predicted against measured speedup
       $V advise "${PAIR[@]}" --k-max 16 --max-tokens 64 --out "$D" | tee "$D/advise.txt" ;;
     two_process)  # draft and target in one process against one process each
@@ -90,6 +93,10 @@ for step in $STEPS; do
                   # decoding, the defaults and the hybrid with the suffix lookup against llama.cpp plain decoding
                   # on the same GGUF; global=0 as in code_edit
       $V bench "${INT4_PAIR[@]}" --methods none,hybrid,hybrid:lookup=suffix,k=16,global=0 \
+        --dataset spec_bench,humaneval:100-119,chat_code,code_edit --per-category 2 --seed 1 --max-tokens 256 \
+        --peers llamacpp --peer-methods llamacpp-plain --no-progress --out "$D" ;;
+    int4_long_q8) # the same on 8-bit activations (--kernels q8, AVX-512 VNNI); llama.cpp as it is
+      $V bench "${INT4_PAIR[@]}" --kernels q8 --methods none,hybrid,hybrid:lookup=suffix,k=16,global=0 \
         --dataset spec_bench,humaneval:100-119,chat_code,code_edit --per-category 2 --seed 1 --max-tokens 256 \
         --peers llamacpp --peer-methods llamacpp-plain --no-progress --out "$D" ;;
     draft_window) # how much of a long prompt the draft reads (summaries, RAG) and what it costs on code
