@@ -144,6 +144,21 @@ def test_q8_kernels_keep_the_int4_pair_lossless_and_close_to_bf16_activations() 
     assert agree >= 0.95 * total, f"{agree} of {total}"
 
 
+def test_suffix_trees_keep_the_int4_pair_lossless() -> None:
+    """Suffix drafts as token trees on the int4 pair (bf16, the fused kernels where the CPU runs them): every
+    node scores as its root path would alone, so the greedy output is plain decoding's, token for token."""
+    _require_installed(TARGET, DRAFT)
+    engine = Engine.from_pretrained(TARGET, draft=DRAFT, dtype="bfloat16", weights="int4", draft_weights="int4-all",
+                                    max_len=1024, progress=False)
+    texts = [p.text for p in datasets.load("code_edit")[:4]]
+    params = SamplingParams(max_tokens=96, ignore_eos=True)
+    plain = [r.token_ids for r in engine.generate(texts, params, chat=True)]
+    spec = SpecConfig(method="hybrid", lookup="suffix", suffix_global=0, suffix_width=3, suffix_min_prob=0.0)
+    trees = engine.generate(texts, params, spec, chat=True)
+    assert [r.token_ids for r in trees] == plain
+    assert sum(r.metrics.accepted for r in trees) > 0
+
+
 def test_batched_greedy_equals_each_request_alone_on_real_pair(pair: Engine) -> None:
     # Rows of different prompt lengths (Spec-Bench's six categories, RAG and summaries long, plus two
     # short prompts) and limits, each drafting its own way (draft model at a fixed k and under the

@@ -1,7 +1,7 @@
 """Token trees: one forward scores every node, verification keeps one root path, and the output stays exact.
 
-- The forward: each node's logits equal those of its root path run as a plain sequence (fused
-  kernels and the Python path), and the kernel refuses malformed ancestor masks.
+- The forward: each node's logits equal those of its root path scored as a chain, bit for bit on the
+  fused kernels (fp32 and bf16), to rounding on the Python path; the kernel refuses malformed masks.
 - The verifiers: greedy follows the target's argmax down the tree; the multi-candidate sampling
   rule reproduces p exactly (chi-square, with a biased rule as the negative control that must fail).
 - The engine: greedy trees whose accepted path is never the first child (so the cache is compacted
@@ -23,6 +23,7 @@ from verispec import kernels as fast_kernels
 from verispec.drafters.base import Drafter, Proposal
 from verispec.drafters.retrieval import continuation_tree
 from verispec.errors import VerispecError
+from verispec.models.loader import build_model, open_source
 from verispec.sampling import sample
 from verispec.verify import verify_greedy, verify_tree_sampling
 
@@ -46,36 +47,61 @@ def root_path(parents: list[int], node: int) -> list[int]:
     return path[::-1]
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["fused", "python"])
-@torch.inference_mode()
-def test_each_node_scores_as_its_root_path_alone(qwen2_tiny, fused):
-    model = qwen2_tiny.model
-    if fused and not model.fused_ops:
-        pytest.skip("this CPU does not run verispec's fused kernels")
+def tree_and_paths(model, fused: bool):
+    """Logits of a 7-node tree (next to a chain row) and, per node, of its root path as a chain step."""
+    prompt = [3, 5, 7, 2, 9, 11]
+    tokens, parents = [10, 20, 30, 40, 50, 60, 70], [-1, -1, 0, 1, 1, 3, 2]
+    n, m = len(prompt) - 1, len(tokens) + 1
     saved = model.fused_ops
     model.fused_ops = fused
     try:
-        prompt = [3, 5, 7, 2, 9, 11]
-        tokens, parents = [10, 20, 30, 40, 50, 60, 70], [-1, -1, 0, 1, 1, 3, 2]
-        n = len(prompt) - 1
-        # Two rows: the tree, and a chain row (all bits below each token) next to it, at another length.
-        cache = model.new_cache(2, 40)
-        model(torch.tensor([prompt[:-1]]), torch.arange(n)[None], cache, rows=slice(0, 1))
-        model(torch.tensor([prompt[1:-1]]), torch.arange(n - 1)[None], cache, rows=slice(1, 2))
-        m = len(tokens) + 1
-        tree = torch.tensor([masks(parents), [(1 << (t + 1)) - 1 for t in range(m)]])
-        pos = torch.stack([torch.arange(n, n + m), torch.arange(n - 1, n - 1 + m)])
-        batch = torch.tensor([[prompt[-1], *tokens], [prompt[-1], *tokens]])
-        out = model(batch, pos, cache, tree=tree)
-        for node in range(-1, len(tokens)):
-            seq = prompt + [tokens[i] for i in root_path(parents, node)]
-            ref = model(torch.tensor([seq]), torch.arange(len(seq))[None], model.new_cache(1, 40))[0, -1]
-            torch.testing.assert_close(out[0, node + 1], ref, rtol=1e-4, atol=1e-4)
-        chain = prompt[1:] + tokens
-        ref = model(torch.tensor([chain]), torch.arange(len(chain))[None], model.new_cache(1, 40))[0, -m:]
-        torch.testing.assert_close(out[1], ref, rtol=1e-4, atol=1e-4)
+        with torch.inference_mode():
+            # Two rows: the tree, and a chain row (every earlier bit) at another length next to it.
+            cache = model.new_cache(2, 40)
+            model(torch.tensor([prompt[:-1]]), torch.arange(n)[None], cache, rows=slice(0, 1))
+            model(torch.tensor([prompt[1:-1]]), torch.arange(n - 1)[None], cache, rows=slice(1, 2))
+            prefilled = [(k.clone(), v.clone()) for k, v in zip(cache.k, cache.v, strict=True)]
+            tree = torch.tensor([masks(parents), [(1 << (t + 1)) - 1 for t in range(m)]])
+            pos = torch.stack([torch.arange(n, n + m), torch.arange(n - 1, n - 1 + m)])
+            out = model(torch.tensor([[prompt[-1], *tokens]] * 2), pos, cache, tree=tree)
+            # Each root path as a chain step of the same shape (padded with its last token, as the engine
+            # pads): the projections then see the same rows, and only attention differs.
+            chains = []
+            for node in range(-1, len(tokens)):
+                path = [prompt[-1]] + [tokens[i] for i in root_path(parents, node)]
+                for (k, v), (k0, v0) in zip(zip(cache.k, cache.v, strict=True), prefilled, strict=True):
+                    k.copy_(k0)
+                    v.copy_(v0)
+                padded = path + [path[-1]] * (m - len(path))
+                step = model(torch.tensor([padded, [prompt[-1], *tokens]]), pos, cache)
+                chains.append(step[0, len(path) - 1])
+            for k, v in zip(cache.k, cache.v, strict=True):
+                k[1:].zero_()
+                v[1:].zero_()
+            chain_row = model(torch.tensor([prompt[1:] + tokens]), torch.arange(len(prompt) - 1 + len(tokens))[None],
+                              model.new_cache(1, 40))[0, -m:]
     finally:
         model.fused_ops = saved
+    return out, chains, chain_row
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fused_tree_nodes_equal_their_root_paths_bit_for_bit(qwen2_tiny, llama_tiny, dtype):
+    if not fast_kernels.use_fast("auto"):
+        pytest.skip("this CPU does not run verispec's fused kernels")
+    for tiny in (qwen2_tiny, llama_tiny):  # GQA 4:2 with q/k/v biases; 4:1
+        model = build_model(open_source(tiny.folder), dtype, progress=False)
+        assert model.fused_ops
+        out, chains, _ = tree_and_paths(model, fused=True)
+        for node, ref in enumerate(chains):
+            assert torch.equal(out[0, node], ref), f"node {node - 1} differs from its root path run as a chain"
+
+
+def test_python_path_tree_nodes_match_their_root_paths(qwen2_tiny):
+    out, chains, chain_row = tree_and_paths(qwen2_tiny.model, fused=False)
+    for node, ref in enumerate(chains):
+        torch.testing.assert_close(out[0, node], ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(out[1], chain_row, rtol=1e-4, atol=1e-4)
 
 
 def test_attend_refuses_malformed_trees():

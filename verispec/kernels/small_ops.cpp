@@ -18,7 +18,8 @@
 //                                    and query i sees, of them, only those whose bit is set in
 //                                    ancestors[b, i] (its root path); keys before the first slot
 //                                    stay visible. RoPE follows cos/sin, which the caller takes
-//                                    at each node's depth.
+//                                    at each node's depth. A node's output equals its root path's
+//                                    as a chain, bit for bit (see attend_group).
 //
 // "round" is a rounding to the tensors' dtype (bf16, or nothing for fp32): the roundings the
 // PyTorch reference (verispec/models/llama.py) makes between its ops are kept where they are
@@ -299,9 +300,16 @@ VS_AVX512 inline void scores_block(const float* qt, const float* const* k, int64
 // bf16 P @ V for NQ queries, keys [j0, j1) (j0 even; n keys in all) and the chunk of 32 output values
 // at c0: acc[q * ld + c0 ..][32] (permuted) += sum over j of p[j][q] * v[j][c0 ..].
 // pp: the probabilities as bf16 pairs of consecutive keys, [key / 2][8 queries].
+// Keys are virtual: key j is cache row j, except that a tree's keys vbase + t are rows map[t] (map null: none).
+struct KeyMap {
+  const int64_t* map;
+  int64_t vbase;
+  inline int64_t operator()(int64_t j) const { return map && j >= vbase ? map[j - vbase] : j; }
+};
+
 template <int NQ>
 VS_AVX512 void pv_bf16(const uint32_t* pp, const bf16_t* v, int64_t ldv, int64_t n, int64_t j0, int64_t j1,
-                       int64_t c0, int64_t d, float* acc, int64_t ld) {
+                       int64_t c0, int64_t d, float* acc, int64_t ld, KeyMap key) {
   const __mmask32 m = d - c0 >= 32 ? static_cast<__mmask32>(0xFFFFFFFFu) : static_cast<__mmask32>(0xFFFFu);
   __m512 lo[NQ], hi[NQ];
   for (int q = 0; q < NQ; ++q) {
@@ -309,8 +317,8 @@ VS_AVX512 void pv_bf16(const uint32_t* pp, const bf16_t* v, int64_t ldv, int64_t
     hi[q] = _mm512_loadu_ps(acc + q * ld + c0 + 16);
   }
   for (int64_t j = j0; j < j1; j += 2) {
-    const bf16_t* r0 = v + j * ldv + c0;
-    const bf16_t* r1 = v + (j + 1 < n ? j + 1 : j) * ldv + c0;  // past the last key: its p is 0
+    const bf16_t* r0 = v + key(j) * ldv + c0;
+    const bf16_t* r1 = v + key(j + 1 < n ? j + 1 : j) * ldv + c0;  // past the last key: its p is 0
     const __m512i a = _mm512_maskz_loadu_epi16(m, r0), b = _mm512_maskz_loadu_epi16(m, r1);
     const __m512i vl = _mm512_unpacklo_epi16(a, b), vh = _mm512_unpackhi_epi16(a, b);
     const uint32_t* pj = pp + (j / 2) * QB;
@@ -331,13 +339,13 @@ VS_AVX512 void pv_bf16(const uint32_t* pp, const bf16_t* v, int64_t ldv, int64_t
 // p: the probabilities [key][8 queries].
 template <int NQ, int NC>
 VS_AVX512 void pv_fp32(const float* p, const float* v, int64_t ldv, int64_t j0, int64_t j1, int64_t c0, float* acc,
-                       int64_t ld) {
+                       int64_t ld, KeyMap key) {
   __m512 a[NQ][NC];
   for (int q = 0; q < NQ; ++q)
     for (int c = 0; c < NC; ++c) a[q][c] = _mm512_loadu_ps(acc + q * ld + c0 + 16 * c);
   for (int64_t j = j0; j < j1; ++j) {
     __m512 vv[NC];
-    for (int c = 0; c < NC; ++c) vv[c] = _mm512_loadu_ps(v + j * ldv + c0 + 16 * c);
+    for (int c = 0; c < NC; ++c) vv[c] = _mm512_loadu_ps(v + key(j) * ldv + c0 + 16 * c);
     for (int q = 0; q < NQ; ++q) {
       const __m512 pj = _mm512_set1_ps(p[j * QB + q]);
       for (int c = 0; c < NC; ++c) a[q][c] = _mm512_fmadd_ps(pj, vv[c], a[q][c]);
@@ -349,39 +357,39 @@ VS_AVX512 void pv_fp32(const float* p, const float* v, int64_t ldv, int64_t j0, 
 
 template <int NQ>
 VS_AVX512 void pv_fp32_nc(int nc, const float* p, const float* v, int64_t ldv, int64_t j0, int64_t j1, int64_t c0,
-                          float* acc, int64_t ld) {
+                          float* acc, int64_t ld, KeyMap key) {
   switch (nc) {
-    case 1: pv_fp32<NQ, 1>(p, v, ldv, j0, j1, c0, acc, ld); break;
-    case 2: pv_fp32<NQ, 2>(p, v, ldv, j0, j1, c0, acc, ld); break;
-    case 3: pv_fp32<NQ, 3>(p, v, ldv, j0, j1, c0, acc, ld); break;
-    default: pv_fp32<NQ, 4>(p, v, ldv, j0, j1, c0, acc, ld); break;
+    case 1: pv_fp32<NQ, 1>(p, v, ldv, j0, j1, c0, acc, ld, key); break;
+    case 2: pv_fp32<NQ, 2>(p, v, ldv, j0, j1, c0, acc, ld, key); break;
+    case 3: pv_fp32<NQ, 3>(p, v, ldv, j0, j1, c0, acc, ld, key); break;
+    default: pv_fp32<NQ, 4>(p, v, ldv, j0, j1, c0, acc, ld, key); break;
   }
 }
 
 // The P @ V pass of one block of nq queries over keys [0, n): into acc [nq][ld] (zeroed here).
 VS_AVX512 void pv_pass(const float* p, const uint32_t* pp, const bf16_t* v, int64_t ldv, int64_t n, int64_t d,
-                       int64_t nq, float* acc, int64_t ld) {
+                       int64_t nq, float* acc, int64_t ld, KeyMap key) {
   (void)p;
   std::fill(acc, acc + nq * ld, 0.0f);
   for (int64_t j0 = 0; j0 < n; j0 += JT) {
     const int64_t j1 = std::min(n, j0 + JT);
     for (int64_t c0 = 0; c0 < d; c0 += 32) {
       switch (nq) {
-        case 1: pv_bf16<1>(pp, v, ldv, n, j0, j1, c0, d, acc, ld); break;
-        case 2: pv_bf16<2>(pp, v, ldv, n, j0, j1, c0, d, acc, ld); break;
-        case 3: pv_bf16<3>(pp, v, ldv, n, j0, j1, c0, d, acc, ld); break;
-        case 4: pv_bf16<4>(pp, v, ldv, n, j0, j1, c0, d, acc, ld); break;
-        case 5: pv_bf16<5>(pp, v, ldv, n, j0, j1, c0, d, acc, ld); break;
-        case 6: pv_bf16<6>(pp, v, ldv, n, j0, j1, c0, d, acc, ld); break;
-        case 7: pv_bf16<7>(pp, v, ldv, n, j0, j1, c0, d, acc, ld); break;
-        default: pv_bf16<8>(pp, v, ldv, n, j0, j1, c0, d, acc, ld); break;
+        case 1: pv_bf16<1>(pp, v, ldv, n, j0, j1, c0, d, acc, ld, key); break;
+        case 2: pv_bf16<2>(pp, v, ldv, n, j0, j1, c0, d, acc, ld, key); break;
+        case 3: pv_bf16<3>(pp, v, ldv, n, j0, j1, c0, d, acc, ld, key); break;
+        case 4: pv_bf16<4>(pp, v, ldv, n, j0, j1, c0, d, acc, ld, key); break;
+        case 5: pv_bf16<5>(pp, v, ldv, n, j0, j1, c0, d, acc, ld, key); break;
+        case 6: pv_bf16<6>(pp, v, ldv, n, j0, j1, c0, d, acc, ld, key); break;
+        case 7: pv_bf16<7>(pp, v, ldv, n, j0, j1, c0, d, acc, ld, key); break;
+        default: pv_bf16<8>(pp, v, ldv, n, j0, j1, c0, d, acc, ld, key); break;
       }
     }
   }
 }
 
 VS_AVX512 void pv_pass(const float* p, const uint32_t* pp, const float* v, int64_t ldv, int64_t n, int64_t d,
-                       int64_t nq, float* acc, int64_t ld) {
+                       int64_t nq, float* acc, int64_t ld, KeyMap key) {
   (void)pp;
   std::fill(acc, acc + nq * ld, 0.0f);
   for (int64_t j0 = 0; j0 < n; j0 += JT) {
@@ -392,10 +400,10 @@ VS_AVX512 void pv_pass(const float* p, const uint32_t* pp, const float* v, int64
         const float* pr = p + r0;
         float* ar = acc + r0 * ld;
         switch (std::min<int64_t>(4, nq - r0)) {
-          case 1: pv_fp32_nc<1>(nc, pr, v, ldv, j0, j1, c0, ar, ld); break;
-          case 2: pv_fp32_nc<2>(nc, pr, v, ldv, j0, j1, c0, ar, ld); break;
-          case 3: pv_fp32_nc<3>(nc, pr, v, ldv, j0, j1, c0, ar, ld); break;
-          default: pv_fp32_nc<4>(nc, pr, v, ldv, j0, j1, c0, ar, ld); break;
+          case 1: pv_fp32_nc<1>(nc, pr, v, ldv, j0, j1, c0, ar, ld, key); break;
+          case 2: pv_fp32_nc<2>(nc, pr, v, ldv, j0, j1, c0, ar, ld, key); break;
+          case 3: pv_fp32_nc<3>(nc, pr, v, ldv, j0, j1, c0, ar, ld, key); break;
+          default: pv_fp32_nc<4>(nc, pr, v, ldv, j0, j1, c0, ar, ld, key); break;
         }
       }
     }
@@ -437,6 +445,10 @@ VS_AVX512 inline void prefetch_keys(const T* kb, const T* vb, const AttnShape& s
 }
 
 // All queries of KV head `kv` of row `b`: heads kv * G .. kv * G + G - 1 at the m positions.
+// A token tree (anc): each block holds the heads of one token, whose keys are virtual: the cached ones
+// before the row's first slot, then its root path in order, exactly the keys and key indices the
+// same token has in a chain. So every sum (the lanes of the softmax's, the pairs of bf16 P @ V) runs
+// as it would in the chain, and a node's output equals its root path's alone, bit for bit.
 template <class T>
 VS_AVX512 void attend_group(const AttnShape& s, const T* qkv, const T* cos, const T* sin, const int64_t* pos,
                             const int64_t* anc, const T* kc, const T* vc, T* out, int64_t b, int64_t kv,
@@ -455,43 +467,42 @@ VS_AVX512 void attend_group(const AttnShape& s, const T* qkv, const T* cos, cons
   std::vector<Word> qt(words * 8);  // [words / 2][16 lanes]
   std::vector<float> scores(n_pad * QB), acc(QB * ld);
   std::vector<uint32_t> pairs(sizeof(T) == 2 ? n_pad / 2 * QB : 0);
-  // A tree: per pair of keys (j, j + 1), the lanes (query r of the block: bit r for key j, r + QB for
-  // key j + 1) that may see them. Only the row's new slots are ever cleared (a query's non-ancestors).
-  std::vector<uint16_t> keep(anc ? n_pad / 2 : 0);
   alignas(64) int32_t n_of[16];
   alignas(64) float sums[16];
   const __m512 scale = _mm512_set1_ps(s.scale);
 
-  for (int64_t blk = chunk; blk * QB < nq; blk += n_chunks) {  // every n_chunks-th block of QB queries
-    const int64_t q0 = blk * QB, nb = std::min(QB, nq - q0);
+  const int64_t g_blocks = (g_size + QB - 1) / QB;  // a tree's blocks per token
+  const int64_t n_blocks = anc ? m * g_blocks : (nq + QB - 1) / QB;
+  int64_t path[64];  // a tree block's root path: virtual key pb[0] + t is cache row path[t]
+
+  for (int64_t blk = chunk; blk < n_blocks; blk += n_chunks) {  // every n_chunks-th block of QB queries
+    // Query r of the block: head kv * G + g0 + r of token i0 (a tree), or query q0 + r in head-major order.
+    const int64_t q0 = anc ? 0 : blk * QB, i0 = anc ? blk / g_blocks : 0, g0 = anc ? blk % g_blocks * QB : 0;
+    const int64_t nb = anc ? std::min(QB, g_size - g0) : std::min(QB, nq - q0);
+    KeyMap key{nullptr, 0};
+    int64_t n_path = 0;
+    if (anc) {
+      for (int64_t t = 0; t <= i0; ++t)
+        if ((anc[b * m + i0] >> t) & 1) path[n_path++] = pb[0] + t;
+      key = KeyMap{path, pb[0]};
+    }
     int64_t n_blk = 0;
     std::fill(qt.begin(), qt.end(), Word(0));
     for (int r = 0; r < 16; ++r) n_of[r] = 0;
-    for (int64_t r = 0; r < nb; ++r) {  // query r: head kv * G + (q0 + r) / m at position (q0 + r) % m
-      const int64_t g = (q0 + r) / m, i = (q0 + r) % m;
+    for (int64_t r = 0; r < nb; ++r) {
+      const int64_t g = anc ? g0 + r : (q0 + r) / m, i = anc ? i0 : (q0 + r) % m;
       const int64_t row = b * m + i;
       rope_head(qkv + row * s.width + (kv * g_size + g) * d, cos + row * d, sin + row * d, d, qrow.data());
       const Word* w = reinterpret_cast<const Word*>(qrow.data());
       for (int64_t c = 0; c < words; ++c) qt[(c / 2) * 16 + 2 * r + (c & 1)] = w[c];
-      n_of[r] = n_of[r + QB] = static_cast<int32_t>(std::min(s.kv_len, pb[i] + 1));
+      n_of[r] = n_of[r + QB] = static_cast<int32_t>(std::min(s.kv_len, anc ? pb[0] + n_path : pb[i] + 1));
       n_blk = std::max<int64_t>(n_blk, n_of[r]);
-    }
-    if (anc) {
-      std::fill(keep.begin(), keep.end(), uint16_t(0xFFFF));
-      for (int64_t r = 0; r < nb; ++r) {
-        const int64_t i = (q0 + r) % m, a = anc[b * m + i];
-        for (int64_t t = 0; t < i; ++t) {
-          if ((a >> t) & 1) continue;
-          const int64_t j = pb[0] + t;
-          keep[j / 2] &= static_cast<uint16_t>(~(1u << (r + (j & 1) * QB)));
-        }
-      }
     }
     // Scores, KB keys at a time (keys past n_blk read key n_blk - 1 again; never used).
     for (int64_t j0 = 0; j0 < n_blk; j0 += KB) {
       if (blk == chunk) prefetch_keys(kb, vb, s, std::min(n_blk, j0 + PF), std::min(n_blk, j0 + PF + KB));
       const T* kp[KB];
-      for (int t = 0; t < KB; ++t) kp[t] = kb + std::min(j0 + t, n_blk - 1) * s.ks[2];
+      for (int t = 0; t < KB; ++t) kp[t] = kb + key(std::min(j0 + t, n_blk - 1)) * s.ks[2];
       scores_block(qt.data(), kp, d, scale, scores.data() + j0 * QB);
     }
     // Softmax numerators, lane-wise over pairs of keys (zero past each query's own keys), and sums.
@@ -500,16 +511,14 @@ VS_AVX512 void attend_group(const AttnShape& s, const T* qkv, const T* cos, cons
     __m512 mx = _mm512_set1_ps(-INFINITY);
     for (int64_t j = 0; j < n_blk; j += 2) {
       const __m512i jv = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(j)), step);
-      const __mmask16 seen = _mm512_cmpgt_epi32_mask(nv, jv) & (anc ? keep[j / 2] : 0xFFFF);
-      mx = _mm512_mask_max_ps(mx, seen, mx, _mm512_loadu_ps(scores.data() + j * QB));
+      mx = _mm512_mask_max_ps(mx, _mm512_cmpgt_epi32_mask(nv, jv), mx, _mm512_loadu_ps(scores.data() + j * QB));
     }
     mx = _mm512_max_ps(mx, _mm512_shuffle_f32x4(mx, mx, _MM_SHUFFLE(1, 0, 3, 2)));  // both keys' lanes
     __m512 sum = _mm512_setzero_ps();
     for (int64_t j = 0; j < n_blk; j += 2) {
       const __m512i jv = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(j)), step);
       float* sj = scores.data() + j * QB;
-      const __mmask16 seen = _mm512_cmpgt_epi32_mask(nv, jv) & (anc ? keep[j / 2] : 0xFFFF);
-      __m512 e = _mm512_maskz_mov_ps(seen, exp512(_mm512_sub_ps(_mm512_loadu_ps(sj), mx)));
+      __m512 e = _mm512_maskz_mov_ps(_mm512_cmpgt_epi32_mask(nv, jv), exp512(_mm512_sub_ps(_mm512_loadu_ps(sj), mx)));
       if constexpr (sizeof(T) == 2) {  // bf16 pairs (key j, key j + 1) per query, for vdpbf16ps
         const __m256i h = (__m256i)_mm512_cvtneps_pbh(e);
         const __m128i a = _mm256_castsi256_si128(h), c = _mm256_extracti128_si256(h, 1);
@@ -522,9 +531,9 @@ VS_AVX512 void attend_group(const AttnShape& s, const T* qkv, const T* cos, cons
     }
     _mm512_store_ps(sums, _mm512_add_ps(sum, _mm512_shuffle_f32x4(sum, sum, _MM_SHUFFLE(1, 0, 3, 2))));
     // P @ V, then each query's values divided by its sum.
-    pv_pass(scores.data(), pairs.data(), vb, s.vs[2], n_blk, d, nb, acc.data(), ld);
+    pv_pass(scores.data(), pairs.data(), vb, s.vs[2], n_blk, d, nb, acc.data(), ld, key);
     for (int64_t r = 0; r < nb; ++r) {
-      const int64_t g = (q0 + r) / m, i = (q0 + r) % m;
+      const int64_t g = anc ? g0 + r : (q0 + r) / m, i = anc ? i0 : (q0 + r) % m;
       store_out(acc.data() + r * ld, d, _mm512_set1_ps(sums[r]), out + (b * m + i) * s.h * d + (kv * g_size + g) * d);
     }
   }
@@ -564,7 +573,7 @@ void attend_impl(const AttnShape& s, const T* qkv, const T* cos, const T* sin, c
   // query blocks are dealt out round-robin over a few tasks, so that the causal work (later queries
   // see more keys) spreads evenly. Blocks are the same whatever the split, and so are the results.
   const int64_t groups = s.b * s.kv;
-  const int64_t blocks = (s.h / s.kv * s.m + QB - 1) / QB;
+  const int64_t blocks = anc ? s.m * ((s.h / s.kv + QB - 1) / QB) : (s.h / s.kv * s.m + QB - 1) / QB;
   const int64_t threads = at::get_num_threads();
   const bool fork = work >= (1 << 17);
   const int64_t n_chunks = fork ? std::max<int64_t>(1, std::min(blocks, (threads + groups - 1) / groups)) : 1;
