@@ -48,6 +48,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #ifndef VS_NS
@@ -300,16 +301,20 @@ VS_AVX512 inline void scores_block(const float* qt, const float* const* k, int64
 // bf16 P @ V for NQ queries, keys [j0, j1) (j0 even; n keys in all) and the chunk of 32 output values
 // at c0: acc[q * ld + c0 ..][32] (permuted) += sum over j of p[j][q] * v[j][c0 ..].
 // pp: the probabilities as bf16 pairs of consecutive keys, [key / 2][8 queries].
-// Keys are virtual: key j is cache row j, except that a tree's keys vbase + t are rows map[t] (map null: none).
-struct KeyMap {
-  const int64_t* map;
+// Key: the cache row of key j. Contiguous for a chain; a tree node's keys vbase + t are its root path's rows
+// (PathKeys). A template parameter, so the chain's loops compile as if there were no map.
+struct Contiguous {
+  inline int64_t operator()(int64_t j) const { return j; }
+};
+struct PathKeys {
+  const int64_t* path;
   int64_t vbase;
-  inline int64_t operator()(int64_t j) const { return map && j >= vbase ? map[j - vbase] : j; }
+  inline int64_t operator()(int64_t j) const { return j >= vbase ? path[j - vbase] : j; }
 };
 
-template <int NQ>
+template <int NQ, class Key>
 VS_AVX512 void pv_bf16(const uint32_t* pp, const bf16_t* v, int64_t ldv, int64_t n, int64_t j0, int64_t j1,
-                       int64_t c0, int64_t d, float* acc, int64_t ld, KeyMap key) {
+                       int64_t c0, int64_t d, float* acc, int64_t ld, Key key) {
   const __mmask32 m = d - c0 >= 32 ? static_cast<__mmask32>(0xFFFFFFFFu) : static_cast<__mmask32>(0xFFFFu);
   __m512 lo[NQ], hi[NQ];
   for (int q = 0; q < NQ; ++q) {
@@ -337,9 +342,9 @@ VS_AVX512 void pv_bf16(const uint32_t* pp, const bf16_t* v, int64_t ldv, int64_t
 
 // fp32 P @ V for NQ queries, keys [j0, j1), output values [c0, c0 + 16 NC): acc[q * ld + ..] += p[j][q] v[j].
 // p: the probabilities [key][8 queries].
-template <int NQ, int NC>
+template <int NQ, int NC, class Key>
 VS_AVX512 void pv_fp32(const float* p, const float* v, int64_t ldv, int64_t j0, int64_t j1, int64_t c0, float* acc,
-                       int64_t ld, KeyMap key) {
+                       int64_t ld, Key key) {
   __m512 a[NQ][NC];
   for (int q = 0; q < NQ; ++q)
     for (int c = 0; c < NC; ++c) a[q][c] = _mm512_loadu_ps(acc + q * ld + c0 + 16 * c);
@@ -355,41 +360,43 @@ VS_AVX512 void pv_fp32(const float* p, const float* v, int64_t ldv, int64_t j0, 
     for (int c = 0; c < NC; ++c) _mm512_storeu_ps(acc + q * ld + c0 + 16 * c, a[q][c]);
 }
 
-template <int NQ>
+template <int NQ, class Key>
 VS_AVX512 void pv_fp32_nc(int nc, const float* p, const float* v, int64_t ldv, int64_t j0, int64_t j1, int64_t c0,
-                          float* acc, int64_t ld, KeyMap key) {
+                          float* acc, int64_t ld, Key key) {
   switch (nc) {
-    case 1: pv_fp32<NQ, 1>(p, v, ldv, j0, j1, c0, acc, ld, key); break;
-    case 2: pv_fp32<NQ, 2>(p, v, ldv, j0, j1, c0, acc, ld, key); break;
-    case 3: pv_fp32<NQ, 3>(p, v, ldv, j0, j1, c0, acc, ld, key); break;
-    default: pv_fp32<NQ, 4>(p, v, ldv, j0, j1, c0, acc, ld, key); break;
+    case 1: pv_fp32<NQ, 1, Key>(p, v, ldv, j0, j1, c0, acc, ld, key); break;
+    case 2: pv_fp32<NQ, 2, Key>(p, v, ldv, j0, j1, c0, acc, ld, key); break;
+    case 3: pv_fp32<NQ, 3, Key>(p, v, ldv, j0, j1, c0, acc, ld, key); break;
+    default: pv_fp32<NQ, 4, Key>(p, v, ldv, j0, j1, c0, acc, ld, key); break;
   }
 }
 
 // The P @ V pass of one block of nq queries over keys [0, n): into acc [nq][ld] (zeroed here).
+template <class Key>
 VS_AVX512 void pv_pass(const float* p, const uint32_t* pp, const bf16_t* v, int64_t ldv, int64_t n, int64_t d,
-                       int64_t nq, float* acc, int64_t ld, KeyMap key) {
+                       int64_t nq, float* acc, int64_t ld, Key key) {
   (void)p;
   std::fill(acc, acc + nq * ld, 0.0f);
   for (int64_t j0 = 0; j0 < n; j0 += JT) {
     const int64_t j1 = std::min(n, j0 + JT);
     for (int64_t c0 = 0; c0 < d; c0 += 32) {
       switch (nq) {
-        case 1: pv_bf16<1>(pp, v, ldv, n, j0, j1, c0, d, acc, ld, key); break;
-        case 2: pv_bf16<2>(pp, v, ldv, n, j0, j1, c0, d, acc, ld, key); break;
-        case 3: pv_bf16<3>(pp, v, ldv, n, j0, j1, c0, d, acc, ld, key); break;
-        case 4: pv_bf16<4>(pp, v, ldv, n, j0, j1, c0, d, acc, ld, key); break;
-        case 5: pv_bf16<5>(pp, v, ldv, n, j0, j1, c0, d, acc, ld, key); break;
-        case 6: pv_bf16<6>(pp, v, ldv, n, j0, j1, c0, d, acc, ld, key); break;
-        case 7: pv_bf16<7>(pp, v, ldv, n, j0, j1, c0, d, acc, ld, key); break;
-        default: pv_bf16<8>(pp, v, ldv, n, j0, j1, c0, d, acc, ld, key); break;
+        case 1: pv_bf16<1, Key>(pp, v, ldv, n, j0, j1, c0, d, acc, ld, key); break;
+        case 2: pv_bf16<2, Key>(pp, v, ldv, n, j0, j1, c0, d, acc, ld, key); break;
+        case 3: pv_bf16<3, Key>(pp, v, ldv, n, j0, j1, c0, d, acc, ld, key); break;
+        case 4: pv_bf16<4, Key>(pp, v, ldv, n, j0, j1, c0, d, acc, ld, key); break;
+        case 5: pv_bf16<5, Key>(pp, v, ldv, n, j0, j1, c0, d, acc, ld, key); break;
+        case 6: pv_bf16<6, Key>(pp, v, ldv, n, j0, j1, c0, d, acc, ld, key); break;
+        case 7: pv_bf16<7, Key>(pp, v, ldv, n, j0, j1, c0, d, acc, ld, key); break;
+        default: pv_bf16<8, Key>(pp, v, ldv, n, j0, j1, c0, d, acc, ld, key); break;
       }
     }
   }
 }
 
+template <class Key>
 VS_AVX512 void pv_pass(const float* p, const uint32_t* pp, const float* v, int64_t ldv, int64_t n, int64_t d,
-                       int64_t nq, float* acc, int64_t ld, KeyMap key) {
+                       int64_t nq, float* acc, int64_t ld, Key key) {
   (void)pp;
   std::fill(acc, acc + nq * ld, 0.0f);
   for (int64_t j0 = 0; j0 < n; j0 += JT) {
@@ -400,10 +407,10 @@ VS_AVX512 void pv_pass(const float* p, const uint32_t* pp, const float* v, int64
         const float* pr = p + r0;
         float* ar = acc + r0 * ld;
         switch (std::min<int64_t>(4, nq - r0)) {
-          case 1: pv_fp32_nc<1>(nc, pr, v, ldv, j0, j1, c0, ar, ld, key); break;
-          case 2: pv_fp32_nc<2>(nc, pr, v, ldv, j0, j1, c0, ar, ld, key); break;
-          case 3: pv_fp32_nc<3>(nc, pr, v, ldv, j0, j1, c0, ar, ld, key); break;
-          default: pv_fp32_nc<4>(nc, pr, v, ldv, j0, j1, c0, ar, ld, key); break;
+          case 1: pv_fp32_nc<1, Key>(nc, pr, v, ldv, j0, j1, c0, ar, ld, key); break;
+          case 2: pv_fp32_nc<2, Key>(nc, pr, v, ldv, j0, j1, c0, ar, ld, key); break;
+          case 3: pv_fp32_nc<3, Key>(nc, pr, v, ldv, j0, j1, c0, ar, ld, key); break;
+          default: pv_fp32_nc<4, Key>(nc, pr, v, ldv, j0, j1, c0, ar, ld, key); break;
         }
       }
     }
@@ -449,10 +456,11 @@ VS_AVX512 inline void prefetch_keys(const T* kb, const T* vb, const AttnShape& s
 // before the row's first slot, then its root path in order, exactly the keys and key indices the
 // same token has in a chain. So every sum (the lanes of the softmax's, the pairs of bf16 P @ V) runs
 // as it would in the chain, and a node's output equals its root path's alone, bit for bit.
-template <class T>
+template <class T, class Key>
 VS_AVX512 void attend_group(const AttnShape& s, const T* qkv, const T* cos, const T* sin, const int64_t* pos,
                             const int64_t* anc, const T* kc, const T* vc, T* out, int64_t b, int64_t kv,
                             int64_t chunk, int64_t n_chunks) {
+  constexpr bool tree = std::is_same_v<Key, PathKeys>;
   using Word = typename Attn<T>::Word;
   const int64_t g_size = s.h / s.kv, d = s.d, m = s.m, nq = g_size * m;
   const int64_t words = d / Attn<T>::per_word;
@@ -472,30 +480,30 @@ VS_AVX512 void attend_group(const AttnShape& s, const T* qkv, const T* cos, cons
   const __m512 scale = _mm512_set1_ps(s.scale);
 
   const int64_t g_blocks = (g_size + QB - 1) / QB;  // a tree's blocks per token
-  const int64_t n_blocks = anc ? m * g_blocks : (nq + QB - 1) / QB;
+  const int64_t n_blocks = tree ? m * g_blocks : (nq + QB - 1) / QB;
   int64_t path[64];  // a tree block's root path: virtual key pb[0] + t is cache row path[t]
 
   for (int64_t blk = chunk; blk < n_blocks; blk += n_chunks) {  // every n_chunks-th block of QB queries
     // Query r of the block: head kv * G + g0 + r of token i0 (a tree), or query q0 + r in head-major order.
-    const int64_t q0 = anc ? 0 : blk * QB, i0 = anc ? blk / g_blocks : 0, g0 = anc ? blk % g_blocks * QB : 0;
-    const int64_t nb = anc ? std::min(QB, g_size - g0) : std::min(QB, nq - q0);
-    KeyMap key{nullptr, 0};
+    const int64_t q0 = tree ? 0 : blk * QB, i0 = tree ? blk / g_blocks : 0, g0 = tree ? blk % g_blocks * QB : 0;
+    const int64_t nb = tree ? std::min(QB, g_size - g0) : std::min(QB, nq - q0);
+    Key key{};
     int64_t n_path = 0;
-    if (anc) {
+    if constexpr (tree) {
       for (int64_t t = 0; t <= i0; ++t)
         if ((anc[b * m + i0] >> t) & 1) path[n_path++] = pb[0] + t;
-      key = KeyMap{path, pb[0]};
+      key = PathKeys{path, pb[0]};
     }
     int64_t n_blk = 0;
     std::fill(qt.begin(), qt.end(), Word(0));
     for (int r = 0; r < 16; ++r) n_of[r] = 0;
     for (int64_t r = 0; r < nb; ++r) {
-      const int64_t g = anc ? g0 + r : (q0 + r) / m, i = anc ? i0 : (q0 + r) % m;
+      const int64_t g = tree ? g0 + r : (q0 + r) / m, i = tree ? i0 : (q0 + r) % m;
       const int64_t row = b * m + i;
       rope_head(qkv + row * s.width + (kv * g_size + g) * d, cos + row * d, sin + row * d, d, qrow.data());
       const Word* w = reinterpret_cast<const Word*>(qrow.data());
       for (int64_t c = 0; c < words; ++c) qt[(c / 2) * 16 + 2 * r + (c & 1)] = w[c];
-      n_of[r] = n_of[r + QB] = static_cast<int32_t>(std::min(s.kv_len, anc ? pb[0] + n_path : pb[i] + 1));
+      n_of[r] = n_of[r + QB] = static_cast<int32_t>(std::min(s.kv_len, tree ? pb[0] + n_path : pb[i] + 1));
       n_blk = std::max<int64_t>(n_blk, n_of[r]);
     }
     // Scores, KB keys at a time (keys past n_blk read key n_blk - 1 again; never used).
@@ -533,7 +541,7 @@ VS_AVX512 void attend_group(const AttnShape& s, const T* qkv, const T* cos, cons
     // P @ V, then each query's values divided by its sum.
     pv_pass(scores.data(), pairs.data(), vb, s.vs[2], n_blk, d, nb, acc.data(), ld, key);
     for (int64_t r = 0; r < nb; ++r) {
-      const int64_t g = anc ? g0 + r : (q0 + r) / m, i = anc ? i0 : (q0 + r) % m;
+      const int64_t g = tree ? g0 + r : (q0 + r) / m, i = tree ? i0 : (q0 + r) % m;
       store_out(acc.data() + r * ld, d, _mm512_set1_ps(sums[r]), out + (b * m + i) * s.h * d + (kv * g_size + g) * d);
     }
   }
@@ -581,7 +589,11 @@ void attend_impl(const AttnShape& s, const T* qkv, const T* cos, const T* sin, c
   at::parallel_for(0, tasks, fork ? 1 : tasks, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t g = t / n_chunks;
-      attend_group(s, qkv, cos, sin, pos, anc, kc, vc, out, g / s.kv, g % s.kv, t % n_chunks, n_chunks);
+      if (anc)
+        attend_group<T, PathKeys>(s, qkv, cos, sin, pos, anc, kc, vc, out, g / s.kv, g % s.kv, t % n_chunks, n_chunks);
+      else
+        attend_group<T, Contiguous>(s, qkv, cos, sin, pos, anc, kc, vc, out, g / s.kv, g % s.kv, t % n_chunks,
+                                    n_chunks);
     }
   });
 }
