@@ -75,7 +75,7 @@ def _open_datastore(spec: SpecConfig, ctx: DraftContext) -> Datastore:
 
 def _make_suffix(spec: SpecConfig, ctx: DraftContext) -> SuffixDrafter:
     """A suffix drafter over its request and, unless ``spec.suffix_global`` is 0, the engine's shared index
-    of earlier outputs (one per budget, kept in ``ctx.shared``)."""
+    of earlier outputs (one per drafter key, kept in ``ctx.shared``)."""
     from verispec.drafters.suffix import OutputIndex, SuffixDrafter
 
     if spec.suffix_width > 1 and not ctx.trees:

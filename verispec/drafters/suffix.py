@@ -260,5 +260,5 @@ class SuffixDrafter(Drafter):
             outputs.touch(doc for _, _, doc in best if doc is not None)
         self.last_match = m
         tokens, parents = continuation_tree(conts, limit, self.min_prob, self.width)
-        tree = self.width > 1 and parents != list(range(-1, len(tokens) - 1))
-        return Proposal(tokens, parents=parents if tree else None), m
+        branches = len(set(parents)) < len(parents)  # a node with two children: else the tree is a chain
+        return Proposal(tokens, parents=parents if branches else None), m
