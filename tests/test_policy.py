@@ -82,10 +82,12 @@ def test_fixed_rows_keep_their_k_and_governed_rows_their_cap():
 
 def test_a_free_lookup_is_drafted_only_where_its_padding_pays():
     # A cost-policy row's trusted lookup drafts for free, but the forward scores every row at its
-    # width: alone it pays, among 16 rows on a compute-bound target it would cost 6x the step.
+    # width: alone its first 3 tokens pay (4 scored tokens cost one), among 16 rows on a
+    # compute-bound target any width would cost more than it brings.
     policy = CostPolicy(compute_bound())
     lookup = RowPlan(cap=5, fixed_k=5, optional=True)
-    assert policy.choose([lookup]) == [5]
+    assert policy.choose([lookup]) == [3]
+    assert CostPolicy(flat()).choose([lookup]) == [5]
     assert policy.choose([lookup] + [row(0.8) for _ in range(15)]) == [0] * 16
     # A lookup the request asked for at a fixed k is not the policy's to drop.
     assert policy.choose([RowPlan(cap=5, fixed_k=5)] + [row(0.8) for _ in range(15)])[0] == 5
@@ -94,6 +96,20 @@ def test_a_free_lookup_is_drafted_only_where_its_padding_pays():
     # Nothing governed: the lookups alone are weighed, and no k is recorded as chosen.
     pair = CostPolicy(compute_bound())
     assert pair.choose([lookup] * 16) == [0] * 16 and pair.chosen == {}
+
+
+def test_a_long_lookup_is_cut_where_the_step_pays_not_dropped():
+    # Scoring all 17 tokens of a 16-token lookup would cost more than it is expected to bring (at the
+    # lookup's assumed acceptance), but its first tokens are a draft of their own: the step drafts
+    # them rather than decoding plainly.
+    steep = CostModel(CostCurve({1: 4e-3, 4: 4e-3, 17: 4e-3 + 13 * 1.5e-3}, smoothing=0))
+    lookup = RowPlan(cap=16, fixed_k=16, optional=True)
+    assert CostPolicy(steep).choose([lookup]) == [3]
+    # Cut to the best prefix, not to the longest one that still beats plain decoding.
+    assert 1.0 / steep.step_s(1, 0) < expected_tokens(0.6, 5) / steep.step_s(1, 5)
+    # A lookup shorter than the best cut drafts whole; a request's own fixed k is never cut.
+    assert CostPolicy(steep).choose([RowPlan(cap=16, fixed_k=2, optional=True)]) == [2]
+    assert CostPolicy(steep).choose([RowPlan(cap=16, fixed_k=16)]) == [16]
 
 def test_probes_back_off_to_a_bound_and_never_stop():
     policy = CostPolicy(flat())  # a = 0.1 keeps the row plain (1.1 tokens per 0.11 s); a = 1 would pay

@@ -8,9 +8,11 @@ picks the k with the best expected goodput, sum of E[k] over rows / step seconds
 where that beats plain decoding by :data:`MIN_GAIN`. One row is the B = 1 case of the same rule.
 
 A free draft (a trusted prompt lookup) costs no draft time, but its row widens the step, and every
-row of a padded forward is scored at the widest row's k + 1: a cost policy's lookup is drafted only
-where the step's goodput is higher with it than without it (alone, it nearly always is; among many
-rows on a compute-bound host, it is not).
+row of a padded forward is scored at the widest row's k + 1. A lookup's tokens are a chain whose
+every prefix is a draft too, so a cost policy's lookup is cut where the step's goodput peaks (all of
+it when scoring is flat, a few tokens where each scored token costs, none among many rows on a
+compute-bound host): drafting the whole of a long lookup or nothing would decode plainly whenever
+the whole does not pay.
 
 Two more rules, each for a cost the goodput of one step does not show:
 
@@ -124,8 +126,8 @@ class RowPlan:
     """What the policy knows of one row before a step.
 
     ``acceptance`` None: the row's k is ``fixed_k`` (a fixed or heuristic k policy, or a trusted
-    lookup), which the policy may drop to 0 only where ``optional`` (a cost-policy request's free
-    lookup). ``model_draft``: it drafts with the shared draft model (lockstep forwards);
+    lookup), which the policy may cut shorter (to 0 at the least) only where ``optional`` (a
+    cost-policy request's free lookup). ``model_draft``: it drafts with the shared draft model (lockstep forwards);
     ``draft_token_s``: seconds per token its own drafter spends (layer-skip; lookups 0).
     """
 
@@ -154,19 +156,18 @@ class CostPolicy:
         """k of every row for the next step (fixed rows keep theirs, each capped by its ``cap``)."""
         ks = [0 if p.acceptance is not None else min(p.fixed_k, p.cap) for p in plans]
         governed = [i for i, p in enumerate(plans) if p.acceptance is not None and p.cap > 0]
-        optional = any(p.optional and k for p, k in zip(plans, ks, strict=True))
-        if not governed and not optional:
-            return ks
         rates = {i: plans[i].acceptance for i in governed}
-        joined, k = self._paying(plans, ks, governed, rates, span)
-        if optional:  # the step without the optional lookups, where it has the higher goodput
-            without = [0 if p.optional else k_i for p, k_i in zip(plans, ks, strict=True)]
-            joined_w, k_w = self._paying(plans, without, governed, rates, span)
-            if self._goodput(plans, without, self._at(plans, joined_w, k_w), rates, span) > \
-                    self._goodput(plans, ks, self._at(plans, joined, k), rates, span):
-                ks, joined, k = without, joined_w, k_w
+        # The optional lookups cut at one length (padding makes the widest row count), where the step's
+        # goodput peaks; the shorter cut on a tie.
+        full = {i: k for i, (p, k) in enumerate(zip(plans, ks, strict=True)) if p.optional and k}
+        if full:
+            cut = max(range(max(full.values()) + 1), key=lambda c: (
+                self._goodput(plans, ks, {i: min(f, c) for i, f in full.items()}, rates, span), -c))
+            for i, f in full.items():
+                ks[i] = min(f, cut)
         if not governed:
             return ks
+        joined, k = self._paying(plans, ks, governed, rates, span)
         if k > 0:
             for i in governed:
                 if plans[i].probes is not None:
