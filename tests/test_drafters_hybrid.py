@@ -185,6 +185,30 @@ def test_lookups_run_where_the_cost_policy_keeps_the_model_plain(engine, plain, 
     assert sum(r.metrics.drafted for r in results) > 0
 
 
+def test_a_long_lookup_is_cut_where_scoring_stops_paying(engine, plain, monkeypatch):
+    """k = 16 on a target whose every scored token past the fourth costs two steps: lookups longer
+    than 3 tokens, which do not pay whole, are cut to 3 and drafted (losslessly), not dropped for a
+    plain step."""
+    spec = SpecConfig(k_policy="cost", method="hybrid", k=16)
+    costs = CostModel(CostCurve({1: 0.1, 4: 0.1, 17: 0.1 + 13 * 0.2}, smoothing=0),
+                      CostCurve({1: 10.0, 64: 10.0}, smoothing=0))
+    priced = engine.with_config(costs=costs)
+    offered: list[int] = []
+    free_tokens = HybridDrafter.free_tokens
+
+    def recording(self, *args, **kwargs):
+        offered.append(free_tokens(self, *args, **kwargs))
+        return offered[-1]
+
+    monkeypatch.setattr(HybridDrafter, "free_tokens", recording)
+    results = priced.generate(PROMPTS, GREEDY, spec)
+    assert [r.token_ids for r in results] == plain
+    assert max(offered) > 3
+    ks = {k for r in results for k, n in r.metrics.k_chosen.items() if n}
+    assert max(ks) == 3
+    assert sum(r.metrics.drafted for r in results) == sum(min(n, 3) for n in offered) > 0
+
+
 def test_the_draft_model_stays_consistent_across_lookup_steps(engine, plain, monkeypatch):
     """Every proposal of the engine's draft runner for a hybrid row equals a fresh runner's that sees the
     sequence cold, also after lookup steps the draft model sat out and caught up on."""

@@ -82,12 +82,10 @@ def test_fixed_rows_keep_their_k_and_governed_rows_their_cap():
 
 def test_a_free_lookup_is_drafted_only_where_its_padding_pays():
     # A cost-policy row's trusted lookup drafts for free, but the forward scores every row at its
-    # width: alone its first 3 tokens pay (4 scored tokens cost one), among 16 rows on a
-    # compute-bound target any width would cost more than it brings.
+    # width: alone it pays, among 16 rows on a compute-bound target any width would cost more than it brings.
     policy = CostPolicy(compute_bound())
     lookup = RowPlan(cap=5, fixed_k=5, optional=True)
-    assert policy.choose([lookup]) == [3]
-    assert CostPolicy(flat()).choose([lookup]) == [5]
+    assert policy.choose([lookup]) == [5]
     assert policy.choose([lookup] + [row(0.8) for _ in range(15)]) == [0] * 16
     # A lookup the request asked for at a fixed k is not the policy's to drop.
     assert policy.choose([RowPlan(cap=5, fixed_k=5)] + [row(0.8) for _ in range(15)])[0] == 5
@@ -107,6 +105,8 @@ def test_a_long_lookup_is_cut_where_the_step_pays_not_dropped():
     assert CostPolicy(steep).choose([lookup]) == [3]
     # Cut to the best prefix, not to the longest one that still beats plain decoding.
     assert 1.0 / steep.step_s(1, 0) < expected_tokens(0.6, 5) / steep.step_s(1, 5)
+    # A lookup whose whole pays is drafted whole, though a shorter cut would predict more.
+    assert CostPolicy(steep).choose([RowPlan(cap=16, fixed_k=5, optional=True)]) == [5]
     # A lookup shorter than the best cut drafts whole; a request's own fixed k is never cut.
     assert CostPolicy(steep).choose([RowPlan(cap=16, fixed_k=2, optional=True)]) == [2]
     assert CostPolicy(steep).choose([RowPlan(cap=16, fixed_k=16)]) == [16]

@@ -8,11 +8,11 @@ picks the k with the best expected goodput, sum of E[k] over rows / step seconds
 where that beats plain decoding by :data:`MIN_GAIN`. One row is the B = 1 case of the same rule.
 
 A free draft (a trusted prompt lookup) costs no draft time, but its row widens the step, and every
-row of a padded forward is scored at the widest row's k + 1. A lookup's tokens are a chain whose
-every prefix is a draft too, so a cost policy's lookup is cut where the step's goodput peaks (all of
-it when scoring is flat, a few tokens where each scored token costs, none among many rows on a
-compute-bound host): drafting the whole of a long lookup or nothing would decode plainly whenever
-the whole does not pay.
+row of a padded forward is scored at the widest row's k + 1. A cost policy's lookup is drafted whole
+where the step's goodput is higher with it than without it (alone, it nearly always is). Where it
+is not, its first tokens may still pay, since every prefix of a lookup is a draft too: it is cut
+where the step's goodput peaks (a few tokens of a 16-token lookup on a CPU, none among many rows on
+a compute-bound host), rather than dropped for a plain step.
 
 Two more rules, each for a cost the goodput of one step does not show:
 
@@ -157,14 +157,19 @@ class CostPolicy:
         ks = [0 if p.acceptance is not None else min(p.fixed_k, p.cap) for p in plans]
         governed = [i for i, p in enumerate(plans) if p.acceptance is not None and p.cap > 0]
         rates = {i: plans[i].acceptance for i in governed}
-        # The optional lookups cut at one length (padding makes the widest row count), where the step's
-        # goodput peaks; the shorter cut on a tie.
+        # Optional lookups are drafted whole where the whole pays: lookups are accepted above the
+        # acceptance assumed for them, which would undervalue their longer prefixes. Otherwise they
+        # are cut at one length (padding makes the widest row count) where the step's goodput peaks.
         full = {i: k for i, (p, k) in enumerate(zip(plans, ks, strict=True)) if p.optional and k}
         if full:
-            cut = max(range(max(full.values()) + 1), key=lambda c: (
-                self._goodput(plans, ks, {i: min(f, c) for i, f in full.items()}, rates, span), -c))
-            for i, f in full.items():
-                ks[i] = min(f, cut)
+            def goodput(c: int) -> float:
+                return self._goodput(plans, ks, {i: min(f, c) for i, f in full.items()}, rates, span)
+
+            widest = max(full.values())
+            if goodput(widest) <= goodput(0):
+                cut = max(range(widest + 1), key=lambda c: (goodput(c), -c))
+                for i, f in full.items():
+                    ks[i] = min(f, cut)
         if not governed:
             return ks
         joined, k = self._paying(plans, ks, governed, rates, span)
