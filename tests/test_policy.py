@@ -111,6 +111,7 @@ def test_a_long_lookup_is_cut_where_the_step_pays_not_dropped():
     assert CostPolicy(steep).choose([RowPlan(cap=16, fixed_k=2, optional=True)]) == [2]
     assert CostPolicy(steep).choose([RowPlan(cap=16, fixed_k=16)]) == [16]
 
+
 def test_probes_back_off_to_a_bound_and_never_stop():
     policy = CostPolicy(flat())  # a = 0.1 keeps the row plain (1.1 tokens per 0.11 s); a = 1 would pay
     schedule = ProbeSchedule(every=2, max_every=8)

@@ -127,8 +127,9 @@ class RowPlan:
 
     ``acceptance`` None: the row's k is ``fixed_k`` (a fixed or heuristic k policy, or a trusted
     lookup), which the policy may cut shorter (to 0 at the least) only where ``optional`` (a
-    cost-policy request's free lookup). ``model_draft``: it drafts with the shared draft model (lockstep forwards);
-    ``draft_token_s``: seconds per token its own drafter spends (layer-skip; lookups 0).
+    cost-policy request's free lookup). ``model_draft``: it drafts with the shared draft model
+    (lockstep forwards); ``draft_token_s``: seconds per token its own drafter spends (layer-skip;
+    lookups 0).
     """
 
     cap: int
