@@ -29,6 +29,7 @@ from verispec.drafters.ngram import NgramDrafter
 from verispec.drafters.retrieval import RetrievalDrafter
 from verispec.engine.costs import CostCurve, CostModel
 from verispec.engine.draft_runner import MAX_LOCKSTEP_FEED, DraftRow, DraftRunner
+from verispec.engine.policy import Acceptance
 
 # -- routing, with stand-in drafters ----------------------------------------------------------
 
@@ -207,6 +208,41 @@ def test_a_long_lookup_is_cut_where_scoring_stops_paying(engine, plain, monkeypa
     ks = {k for r in results for k, n in r.metrics.k_chosen.items() if n}
     assert max(ks) == 3
     assert sum(r.metrics.drafted for r in results) == sum(min(n, 3) for n in offered) > 0
+
+
+def test_lookups_are_valued_at_the_acceptance_their_request_reached(engine, plain, monkeypatch):
+    """The acceptance a lookup is priced at is its own request's: the prior, then what that request's
+    earlier lookup steps accepted (rows of one batch never share it)."""
+    spec = SpecConfig(k_policy="cost", method="hybrid", k=8)
+    priced = engine.with_config(costs=CostModel(CostCurve({1: 0.1, 1024: 0.1}, smoothing=0),
+                                                CostCurve({1: 10.0, 64: 10.0}, smoothing=0)))
+    events: list[tuple] = []
+    plan, advance = verispec.engine.engine.Engine._plan, verispec.engine.engine.Engine._advance
+
+    def planning(self, req):
+        got = plan(self, req)
+        if got is not None and req.lookup:
+            events.append(("plan", id(req), got.fixed_rate))
+        return got
+
+    def advancing(self, req, report, i, now):
+        if req.lookup:
+            events.append(("step", id(req), report.drafted[i], report.accepted[i]))
+        return advance(self, req, report, i, now)
+
+    monkeypatch.setattr(verispec.engine.engine.Engine, "_plan", planning)
+    monkeypatch.setattr(verispec.engine.engine.Engine, "_advance", advancing)
+    results = priced.generate(PROMPTS, GREEDY, spec)
+    assert [r.token_ids for r in results] == plain
+    replay: dict[int, Acceptance] = {}
+    for kind, req, *rest in events:
+        seen = replay.setdefault(req, Acceptance())
+        if kind == "plan":
+            assert rest[0] == pytest.approx(seen.rate)
+        else:
+            seen.update(*rest)
+    assert len(replay) > 1 and sum(kind == "step" for kind, *_ in events) > 4
+    assert any(rate != pytest.approx(Acceptance().rate) for kind, _, rate, *_ in events if kind == "plan")
 
 
 def test_the_draft_model_stays_consistent_across_lookup_steps(engine, plain, monkeypatch):

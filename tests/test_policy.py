@@ -7,6 +7,8 @@ time it spends per shape.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from verispec.config import SpecConfig
@@ -79,14 +81,15 @@ def test_fixed_rows_keep_their_k_and_governed_rows_their_cap():
     assert CostPolicy(flat()).choose([row(0.95, cap=6), RowPlan(cap=4, fixed_k=4)]) == [6, 4]
 
 
-
 def test_a_free_lookup_is_drafted_only_where_its_padding_pays():
     # A cost-policy row's trusted lookup drafts for free, but the forward scores every row at its
-    # width: alone it pays, among 16 rows on a compute-bound target any width would cost more than it brings.
+    # width: alone its first 3 tokens pay (scored within the flat part), among 16 rows on a compute-bound
+    # target any width would cost more than it brings, even where its request's lookups were all accepted.
     policy = CostPolicy(compute_bound())
     lookup = RowPlan(cap=5, fixed_k=5, optional=True)
-    assert policy.choose([lookup]) == [5]
+    assert policy.choose([lookup]) == [3]
     assert policy.choose([lookup] + [row(0.8) for _ in range(15)]) == [0] * 16
+    assert policy.choose([replace(lookup, fixed_rate=0.99)] + [row(0.8) for _ in range(15)]) == [0] * 16
     # A lookup the request asked for at a fixed k is not the policy's to drop.
     assert policy.choose([RowPlan(cap=5, fixed_k=5)] + [row(0.8) for _ in range(15)])[0] == 5
     # On a flat target the padding costs nothing: the lookup drafts, and the governed rows join it.
@@ -97,19 +100,30 @@ def test_a_free_lookup_is_drafted_only_where_its_padding_pays():
 
 
 def test_a_long_lookup_is_cut_where_the_step_pays_not_dropped():
-    # Scoring all 17 tokens of a 16-token lookup would cost more than it is expected to bring (at the
-    # lookup's assumed acceptance), but its first tokens are a draft of their own: the step drafts
-    # them rather than decoding plainly.
+    # Scoring all 17 tokens of a 16-token lookup would cost more than it is expected to bring, but its
+    # first tokens are a draft of their own: the step drafts them rather than decoding plainly.
     steep = CostModel(CostCurve({1: 4e-3, 4: 4e-3, 17: 4e-3 + 13 * 1.5e-3}, smoothing=0))
     lookup = RowPlan(cap=16, fixed_k=16, optional=True)
     assert CostPolicy(steep).choose([lookup]) == [3]
     # Cut to the best prefix, not to the longest one that still beats plain decoding.
     assert 1.0 / steep.step_s(1, 0) < expected_tokens(0.6, 5) / steep.step_s(1, 5)
-    # A lookup whose whole pays is drafted whole, though a shorter cut would predict more.
-    assert CostPolicy(steep).choose([RowPlan(cap=16, fixed_k=5, optional=True)]) == [5]
+    assert CostPolicy(steep).choose([RowPlan(cap=16, fixed_k=5, optional=True)]) == [3]
     # A lookup shorter than the best cut drafts whole; a request's own fixed k is never cut.
     assert CostPolicy(steep).choose([RowPlan(cap=16, fixed_k=2, optional=True)]) == [2]
     assert CostPolicy(steep).choose([RowPlan(cap=16, fixed_k=16)]) == [16]
+
+
+def test_a_lookup_is_cut_at_the_acceptance_its_request_reached():
+    # Each scored token past the fourth costs a tenth of a step: the better a request's lookups have
+    # been accepted, the longer the prefix that pays.
+    gentle = CostModel(CostCurve({1: 4e-3, 4: 4e-3, 17: 4e-3 + 13 * 0.4e-3}, smoothing=0))
+    cuts = [CostPolicy(gentle).choose([RowPlan(cap=16, fixed_k=16, optional=True, fixed_rate=a)])[0]
+            for a in (0.3, 0.6, 0.8, 0.9, 0.95)]
+    assert cuts == [3, 3, 5, 8, 13]
+    # Among rows the cut is shared (padding), between what each row's own rate alone would cut.
+    rows = [RowPlan(cap=16, fixed_k=16, optional=True, fixed_rate=0.95),
+            RowPlan(cap=16, fixed_k=16, optional=True, fixed_rate=0.3)]
+    assert CostPolicy(gentle).choose(rows) == [5, 5]
 
 
 def test_probes_back_off_to_a_bound_and_never_stop():

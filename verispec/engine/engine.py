@@ -569,14 +569,17 @@ class Engine:
         req.governed = False
         if not cap:  # nothing to draft (a plain request, or no room): nothing for a policy to decide
             return RowPlan(0, context=len(row.seq))
-        # A trusted lookup (hybrid) costs no draft time and the policy learns nothing from it; the cost
-        # policy drafts it where its width pays (``optional``), a request's own k policy always.
+        # A trusted lookup (hybrid) costs no draft time and is valued at the acceptance the request's
+        # lookups reach; the cost policy drafts as much of it as pays (``optional``), a request's own k
+        # policy all of it.
         # Without one a hybrid row drafts with the draft model.
         free = row.drafter.free_tokens(row.seq, cap, req.params, row.generator) if row.drafter is not None else 0
         lookup_only = isinstance(row.drafter, HybridDrafter) and not row.model_draft
         row.use_model = row.model_draft and not free
+        req.lookup = free > 0
         if free or lookup_only:
-            return RowPlan(cap, fixed_k=free, optional=req.kpolicy is None, context=len(row.seq))
+            return RowPlan(cap, fixed_k=free, optional=req.kpolicy is None, fixed_rate=req.lookup_acceptance.rate,
+                           context=len(row.seq))
         if req.kpolicy is not None:
             return RowPlan(cap, fixed_k=req.kpolicy.choose(cap), model_draft=row.use_model, context=len(row.seq))
         req.governed = True
@@ -636,6 +639,8 @@ class Engine:
             req.kpolicy.update(report.drafted[i], report.accepted[i])
         if req.governed:
             req.acceptance.update(report.drafted[i], report.accepted[i])
+        elif req.lookup:
+            req.lookup_acceptance.update(report.drafted[i], report.accepted[i])
         if row.use_model and row.k and isinstance(row.drafter, HybridDrafter):
             row.drafter.counts["draft"] += 1
         if not req.out:  # engine time, from admission: queueing is the handle's (submitted_at)

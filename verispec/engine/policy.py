@@ -8,11 +8,12 @@ picks the k with the best expected goodput, sum of E[k] over rows / step seconds
 where that beats plain decoding by :data:`MIN_GAIN`. One row is the B = 1 case of the same rule.
 
 A free draft (a trusted prompt lookup) costs no draft time, but its row widens the step, and every
-row of a padded forward is scored at the widest row's k + 1. A cost policy's lookup is drafted whole
-where the step's goodput is higher with it than without it (alone, it nearly always is). Where it
-is not, its first tokens may still pay, since every prefix of a lookup is a draft too: it is cut
-where the step's goodput peaks (a few tokens of a 16-token lookup on a CPU, none among many rows on
-a compute-bound host), rather than dropped for a plain step.
+row of a padded forward is scored at the widest row's k + 1. Every prefix of a lookup is a draft
+too, so a cost policy's lookups are cut where the step's goodput peaks, each valued at the
+acceptance its request's lookups have reached (above 0.8 per token where an answer copies an
+edited function, well above a draft model's): a 16-token lookup is drafted whole where it keeps
+being accepted and the verify curve is flat, cut to a few tokens where scoring is steep, dropped
+for a plain step among many rows on a compute-bound host.
 
 Two more rules, each for a cost the goodput of one step does not show:
 
@@ -126,16 +127,17 @@ class RowPlan:
     """What the policy knows of one row before a step.
 
     ``acceptance`` None: the row's k is ``fixed_k`` (a fixed or heuristic k policy, or a trusted
-    lookup), which the policy may cut shorter (to 0 at the least) only where ``optional`` (a
-    cost-policy request's free lookup). ``model_draft``: it drafts with the shared draft model
-    (lockstep forwards); ``draft_token_s``: seconds per token its own drafter spends (layer-skip;
-    lookups 0).
+    lookup), valued at acceptance ``fixed_rate`` (a lookup's: what its request's lookups reached),
+    which the policy may cut shorter (to 0 at the least) only where ``optional`` (a cost-policy
+    request's free lookup). ``model_draft``: it drafts with the shared draft model (lockstep
+    forwards); ``draft_token_s``: seconds per token its own drafter spends (layer-skip; lookups 0).
     """
 
     cap: int
     acceptance: float | None = None
     fixed_k: int = 0
     optional: bool = False
+    fixed_rate: float = 0.6
     model_draft: bool = False
     draft_token_s: float = 0.0
     catch_up: int = 0  # tokens its draft model must read alone before drafting
@@ -158,19 +160,16 @@ class CostPolicy:
         ks = [0 if p.acceptance is not None else min(p.fixed_k, p.cap) for p in plans]
         governed = [i for i, p in enumerate(plans) if p.acceptance is not None and p.cap > 0]
         rates = {i: plans[i].acceptance for i in governed}
-        # Optional lookups are drafted whole where the whole pays: lookups are accepted above the
-        # acceptance assumed for them, which would undervalue their longer prefixes. Otherwise they
-        # are cut at one length (padding makes the widest row count) where the step's goodput peaks.
+        # Optional lookups are cut at one length (padding makes the widest row count), where the
+        # step's goodput at each row's measured lookup acceptance peaks; a cut of 0 is a plain step.
         full = {i: k for i, (p, k) in enumerate(zip(plans, ks, strict=True)) if p.optional and k}
         if full:
             def goodput(c: int) -> float:
                 return self._goodput(plans, ks, {i: min(f, c) for i, f in full.items()}, rates, span)
 
-            widest = max(full.values())
-            if goodput(widest) <= goodput(0):
-                cut = max(range(widest + 1), key=lambda c: (goodput(c), -c))
-                for i, f in full.items():
-                    ks[i] = min(f, cut)
+            cut = max(range(max(full.values()) + 1), key=lambda c: (goodput(c), -c))
+            for i, f in full.items():
+                ks[i] = min(f, cut)
         if not governed:
             return ks
         joined, k = self._paying(plans, ks, governed, rates, span)
@@ -220,7 +219,7 @@ class CostPolicy:
         tokens, width, draft_k, own_s = 0.0, 0, 0, 0.0
         for i, p in enumerate(plans):
             k = drafting.get(i, ks[i])
-            a = rates.get(i, p.acceptance if p.acceptance is not None else 0.6)
+            a = rates.get(i, p.acceptance if p.acceptance is not None else p.fixed_rate)
             tokens += expected_tokens(a, k) if k > 0 else 1.0
             width = max(width, k)
             if p.model_draft:

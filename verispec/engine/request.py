@@ -106,7 +106,8 @@ class Request:
     """Engine-side state of one request.
 
     ``kpolicy`` is its own k policy (fixed, heuristic), or None where the engine's cost policy
-    governs it from ``acceptance`` and ``probes``. ``drafter`` is the caller's own drafter, if any.
+    governs it from ``acceptance`` and ``probes``; ``lookup_acceptance`` is what its trusted lookups
+    (hybrid) reach, learned whatever policy sizes them. ``drafter`` is the caller's own drafter, if any.
     """
 
     handle: RequestHandle
@@ -118,8 +119,10 @@ class Request:
     drafter: Drafter | None = None
     kpolicy: FixedK | None = None
     acceptance: Acceptance = field(default_factory=Acceptance)
+    lookup_acceptance: Acceptance = field(default_factory=Acceptance)
     probes: ProbeSchedule = field(default_factory=ProbeSchedule)
     governed: bool = False  # the cost policy chose this step's k
+    lookup: bool = False  # this step's draft (if any) is a trusted lookup
     row: Row | None = None
     out: list[int] = field(default_factory=list)
     prefilled: bool = False
