@@ -88,6 +88,7 @@ def test_a_free_lookup_is_drafted_only_where_its_padding_pays():
     policy = CostPolicy(compute_bound())
     lookup = RowPlan(cap=5, fixed_k=5, optional=True)
     assert policy.choose([lookup]) == [3]
+    assert CostPolicy(flat()).choose([lookup]) == [5]
     assert policy.choose([lookup] + [row(0.8) for _ in range(15)]) == [0] * 16
     assert policy.choose([replace(lookup, fixed_rate=0.99)] + [row(0.8) for _ in range(15)]) == [0] * 16
     # A lookup the request asked for at a fixed k is not the policy's to drop.

@@ -39,6 +39,7 @@ MIN_GAIN = 0.05
 PROBE_EVERY = 8  # plain steps before a row's first probe
 PROBE_MAX_EVERY = 64  # the longest wait a row's probes back off to
 PROBE_K = 2
+PRIOR_ACCEPTANCE = 0.6  # per-token acceptance assumed before a request has shown its own
 
 
 def expected_tokens(a: float, k: int) -> float:
@@ -59,7 +60,7 @@ class Acceptance:
     the start of a request.
     """
 
-    prior_a: float = 0.6
+    prior_a: float = PRIOR_ACCEPTANCE
     prior_weight: float = 2.0
     decay: float = 0.9
     accepted: float = 0.0
@@ -137,7 +138,7 @@ class RowPlan:
     acceptance: float | None = None
     fixed_k: int = 0
     optional: bool = False
-    fixed_rate: float = 0.6
+    fixed_rate: float = PRIOR_ACCEPTANCE
     model_draft: bool = False
     draft_token_s: float = 0.0
     catch_up: int = 0  # tokens its draft model must read alone before drafting
@@ -161,13 +162,11 @@ class CostPolicy:
         governed = [i for i, p in enumerate(plans) if p.acceptance is not None and p.cap > 0]
         rates = {i: plans[i].acceptance for i in governed}
         # Optional lookups are cut at one length (padding makes the widest row count), where the
-        # step's goodput at each row's measured lookup acceptance peaks; a cut of 0 is a plain step.
+        # step's goodput at each row's lookup acceptance peaks; the shorter cut on a tie, 0 a plain step.
         full = {i: k for i, (p, k) in enumerate(zip(plans, ks, strict=True)) if p.optional and k}
         if full:
-            def goodput(c: int) -> float:
-                return self._goodput(plans, ks, {i: min(f, c) for i, f in full.items()}, rates, span)
-
-            cut = max(range(max(full.values()) + 1), key=lambda c: (goodput(c), -c))
+            cut = max(range(max(full.values()) + 1), key=lambda c: (
+                self._goodput(plans, ks, {i: min(f, c) for i, f in full.items()}, rates, span), -c))
             for i, f in full.items():
                 ks[i] = min(f, cut)
         if not governed:
