@@ -348,6 +348,13 @@ SECTIONS: list[tuple[str, str, str, Any]] = [
     ("int4_long_q8", "The same on 8-bit activations against llama.cpp",
      "As the section above, with verispec's int4/int8 layers multiplying 8-bit activations (`--kernels q8`, "
      "AVX-512 VNNI) for plain decoding and every method; llama.cpp unchanged.", bench_section),
+    ("peer_spread", "Run-to-run spread of the ratios against llama.cpp",
+     "`bench/peer_spread.py`: the ratios of the section above (8-bit activations), repeated to give their "
+     "spread, on the packaged chat-formatted coding requests and Spec-Bench's translation and summarization "
+     "prompts (seed 1). "
+     "llama.cpp plain decoding is one more method of the interleaved run: every method decodes a prompt in turn, "
+     "repeat after repeat, so each repeat's ratio compares runs seconds apart.",
+     lambda f, b: md_section(f, b, ["peer_spread.md"], "peer_spread.json")),
     ("int4", "int4 target and draft, every drafter, against llama.cpp",
      "The same pair and peer, every drafter and k policy side by side on shorter answers, where the prefill is a "
      "larger share of the wall time.", bench_section),

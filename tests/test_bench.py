@@ -239,6 +239,30 @@ def test_peer_models_load_from_the_engines_files(tmp_path: Path, pair: tuple[str
     assert model.dtype == torch.bfloat16 and not model.training
 
 
+def test_peers_run_interleaved_with_verispec_methods(pair: tuple[str, str], tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    from verispec.bench.harness import BenchRunner
+
+    calls: list[tuple[int, list[str]]] = []
+    run_item = BenchRunner.run_item
+
+    def spy(self: BenchRunner, methods: dict[str, Any], item: Any) -> Any:
+        calls.append((item.index, list(methods)))
+        return run_item(self, methods, item)
+
+    monkeypatch.setattr(BenchRunner, "run_item", spy)
+    data = _write_jsonl(tmp_path / "prompts.jsonl", [{"id": f"p{i}", "prompt": f"say {i} things"} for i in range(2)])
+    report = run_bench(BenchOptions(model=pair[0], draft=pair[1], methods="none,ngram", dataset=f"jsonl:{data}",
+                                    max_tokens=6, dtype="float32", max_len=MAX_LEN, out=str(tmp_path / "out"),
+                                    progress=False, plots=False, peers=["hf"], peer_methods=["hf-plain"]))
+    # Each prompt runs every method, the peer's included, before the next prompt starts.
+    assert calls == [(0, [BASELINE, "ngram", "hf-plain"]), (1, [BASELINE, "ngram", "hf-plain"])]
+    mem = {m["method"]: m for m in report["memory"]["methods"]}
+    assert report["memory"]["peers_rss_bytes"] >= 0 and mem["hf-plain"]["max_rss_bytes"] > 0
+    assert report["peers"]["error"] is None and report["peers"]["libraries"]["hf"]["error"] is None
+    assert [r["method"] for r in report["summary"]] == [BASELINE, "ngram", "hf-plain"]
+
+
 # -- the CLI end to end ------------------------------------------------------------------------------
 
 def test_cli_end_to_end_greedy_with_peers_and_stability(pair: tuple[str, str], tmp_path: Path,

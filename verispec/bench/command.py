@@ -1,7 +1,8 @@
 """``verispec bench``: the evaluation harness from the command line.
 
 Plain decoding runs first as the baseline, then every method, interleaved per prompt; peers
-(``--peers hf,llamacpp``) run on the same prompts afterwards; the stability suite (``--stability``) last.
+(``--peers hf,llamacpp``) load beside the engine and run as more methods of the same interleaving;
+the stability suite (``--stability``) last.
 Everything lands in ``--out``: report.json, report.md and PNG plots.
 """
 
@@ -134,14 +135,21 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
         engine.check_spec(m.spec)
     if any(m.spec.enabled and m.spec.k_policy == "cost" for m in methods):
         engine.profile()  # before any timed request, as a server profiles before it serves
+    # Peers load beside the engine and run as more methods of the same interleaved run: a host that drifts
+    # during the run moves verispec's and the peers' times alike.
+    peers = _load_peers(opts, engine, prompts, peer_errors) if opts.peers else None
     memory = MemoryTracker()
     runner = BenchRunner(params, opts.repeats, opts.seed, opts.progress, memory)
     gens = {m.label: engine_generate(engine, m.spec) for m in methods}
-    items, records = runner.run_prompts(gens, prompts, BASELINE)
-    peak_before_peers = peak_rss_bytes()
-
     kinds = {m.label: "baseline" if m.is_baseline else "verispec" for m in methods}
-    peers_info = _run_peers(opts, engine, runner, items, records, kinds, peer_errors) if opts.peers else None
+    if peers is not None:
+        gens.update(peers.methods)
+        kinds.update(dict.fromkeys(peers.methods, "peer"))
+    try:
+        items, records = runner.run_prompts(gens, prompts, BASELINE)
+    finally:
+        peers_info = peers.finish(engine.encode(prompts[0].text, prompts[0].chat), params.greedy) \
+            if peers is not None else None
 
     rows = aggregate(items, records, BASELINE, kinds, {m.label: m.spec.k for m in methods if not m.is_baseline})
     consistency = _consistency(records, params.greedy)
@@ -155,9 +163,12 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
 
     footprints = {m.label: drafter_footprint(engine, engine.drafter(m.spec), m.spec.method in ("draft", "hybrid"))
                   for m in methods}
-    mem = {"rss_after_load_bytes": rss_after_load, "peak_rss_before_peers_bytes": peak_before_peers,
-           "peak_rss_bytes": peak_rss_bytes(),
-           "methods": [{"method": label, "max_rss_bytes": memory.max_rss.get(label),
+    # The peers stay loaded through the run: their resident memory at load is not any verispec method's.
+    peer_rss = peers.rss_bytes if peers is not None else 0
+    mem = {"rss_after_load_bytes": rss_after_load, "peers_rss_bytes": peer_rss, "peak_rss_bytes": peak_rss_bytes(),
+           "methods": [{"method": label,
+                        "max_rss_bytes": (memory.max_rss[label] - (peer_rss if kinds[label] != "peer" else 0)
+                                          if label in memory.max_rss else None),
                         "draft_model_bytes": footprints[label].model_bytes if label in footprints else None,
                         "draft_cache_bytes": footprints[label].cache_bytes if label in footprints else None,
                         "draft_increment_bytes": footprints[label].total_bytes if label in footprints else None}
@@ -290,30 +301,61 @@ def _check_peers(opts: BenchOptions) -> dict[str, str]:
     return errors
 
 
-def _run_peers(opts: BenchOptions, engine: Any, runner: Any, items: list[Any], records: dict[str, Any],
-               kinds: dict[str, str], errors: dict[str, str] | None = None) -> dict[str, Any]:
-    """Run the peer libraries on the same items; their records join ``records`` (kind ``peer``).
+@dataclass
+class LoadedPeers:
+    """The peer libraries loaded beside the engine: their generate functions, and how each runs (or why not)."""
+
+    methods: dict[str, Any] = field(default_factory=dict)  # label -> Generate, every selected peer method
+    libraries: dict[str, dict[str, Any]] = field(default_factory=dict)
+    handles: dict[str, Any] = field(default_factory=dict)  # name -> the loaded peer object (close() frees it)
+    rss_bytes: int = 0  # what loading them added to the process's resident memory
+
+    def finish(self, first_prompt: list[int] | None, greedy: bool) -> dict[str, Any]:
+        """Run the llama.cpp decode-cost probe on ``first_prompt``, free every peer, and describe the run."""
+        for name, peer in self.handles.items():
+            try:
+                if name == "llamacpp" and first_prompt is not None:
+                    try:  # a failing probe costs only its own figures
+                        self.libraries[name].update(peer.decode_costs(first_prompt))
+                    except Exception as e:  # noqa: BLE001
+                        log.warning("llama.cpp decode-cost probe failed: %s", e)
+                        self.libraries[name]["decode_costs_error"] = f"{type(e).__name__}: {e}"
+            finally:
+                peer.close()
+        self.handles = {}
+        failed = {name: lib["error"] for name, lib in self.libraries.items() if lib.get("error")}
+        return {"decoding": "greedy" if greedy else "sampled", "libraries": self.libraries,
+                "error": "; ".join(f"{n}: {e}" for n, e in failed.items())
+                if failed and len(failed) == len(self.libraries) else None}
+
+
+def _load_peers(opts: BenchOptions, engine: Any, prompts: list[Any], errors: dict[str, str]) -> LoadedPeers:
+    """Load every peer library the run asks for, beside the engine, so that its methods run interleaved
+    with verispec's on each prompt.
 
     ``errors`` names peers already found unable to run (:func:`_check_peers`); they are recorded,
     not retried. A peer that fails to load is recorded the same way and the others still run.
-    ``error`` is set only when no peer ran at all.
     """
-    errors = dict(errors or {})
-    run = {"hf": _run_hf_peer, "llamacpp": _run_llamacpp_peer}
-    libraries: dict[str, Any] = {}
+    from verispec.bench.memory import rss_bytes
+
+    loaded = LoadedPeers()
+    before = rss_bytes()
+    load = {"hf": _load_hf_peer, "llamacpp": _load_llamacpp_peer}
     for name in dict.fromkeys(opts.peers):
         if name in errors:
-            libraries[name] = {"library": name, "error": errors[name]}
+            loaded.libraries[name] = {"library": name, "error": errors[name]}
             continue
         try:
-            libraries[name] = run[name](opts, engine, runner, items, records, kinds)
+            peer, info = load[name](opts, engine, prompts)
         except Exception as e:  # noqa: BLE001 (a peer that cannot load must not cost the whole run)
             log.warning("peer %s skipped: %s", name, e)
-            libraries[name] = {"library": name,
-                               "error": str(e) if isinstance(e, VerispecError) else f"{type(e).__name__}: {e}"}
-    failed = {name: lib["error"] for name, lib in libraries.items() if lib.get("error")}
-    return {"decoding": "greedy" if opts.temperature == 0 else "sampled", "libraries": libraries,
-            "error": "; ".join(f"{n}: {e}" for n, e in failed.items()) if len(failed) == len(libraries) else None}
+            loaded.libraries[name] = {"library": name,
+                                      "error": str(e) if isinstance(e, VerispecError) else f"{type(e).__name__}: {e}"}
+            continue
+        loaded.handles[name], loaded.libraries[name] = peer, info
+        loaded.methods.update(_selected(opts, peer.methods()))
+    loaded.rss_bytes = max(0, rss_bytes() - before)
+    return loaded
 
 
 def _selected(opts: BenchOptions, methods: dict[str, Any]) -> dict[str, Any]:
@@ -321,51 +363,29 @@ def _selected(opts: BenchOptions, methods: dict[str, Any]) -> dict[str, Any]:
     return {label: gen for label, gen in methods.items() if not opts.peer_methods or label in opts.peer_methods}
 
 
-def _add_peer_records(peer_records: dict[str, Any], records: dict[str, Any], kinds: dict[str, str]) -> None:
-    records.update(peer_records)
-    kinds.update(dict.fromkeys(peer_records, "peer"))
-
-
-def _run_hf_peer(opts: BenchOptions, engine: Any, runner: Any, items: list[Any], records: dict[str, Any],
-                 kinds: dict[str, str]) -> dict[str, Any]:
+def _load_hf_peer(opts: BenchOptions, engine: Any, prompts: list[Any]) -> tuple[Any, dict[str, Any]]:
     """transformers: hf-plain, hf-assisted (with a draft), hf-prompt-lookup."""
     from verispec.bench.peers import HFPeers
 
     info: dict[str, Any] = {"library": "transformers", "version": _version("transformers"),
                             "dtype": str(engine.target.dtype).replace("torch.", ""),
                             "prompt_lookup_num_tokens": opts.lookup_tokens, "error": None}
-    peers = HFPeers.load(engine, opts.model, engine.config.draft, opts.lookup_tokens)
-    try:
-        peer_records = runner.run_items(_selected(opts, peers.methods()), items, desc="hf peers")
-    finally:
-        peers.close()
-    _add_peer_records(peer_records, records, kinds)
-    return info
+    return HFPeers.load(engine, opts.model, engine.config.draft, opts.lookup_tokens), info
 
 
-def _run_llamacpp_peer(opts: BenchOptions, engine: Any, runner: Any, items: list[Any], records: dict[str, Any],
-                       kinds: dict[str, str]) -> dict[str, Any]:
-    """llama.cpp (llama-cpp-python): llamacpp-plain, llamacpp-prompt-lookup, then its per-token decode cost."""
+def _load_llamacpp_peer(opts: BenchOptions, engine: Any, prompts: list[Any]) -> tuple[Any, dict[str, Any]]:
+    """llama.cpp (llama-cpp-python): llamacpp-plain, llamacpp-prompt-lookup; its per-token decode cost after the run."""
     from verispec.bench.peers import LLAMACPP_BATCH, LLAMACPP_MAX_NGRAM, LlamaCppPeers, llamacpp_context
 
-    prompts = [engine.encode(i.payload, i.chat) for i in items]
-    n_ctx = llamacpp_context([len(p) for p in prompts], opts.max_tokens, engine.max_len, opts.lookup_tokens)
+    # A follow-up turn carries the baseline's answer, unknown before the run: room for the engine's longest.
+    lens = [engine.max_len if p.followups else len(engine.encode(p.text, p.chat)) for p in prompts]
+    n_ctx = llamacpp_context(lens, opts.max_tokens, engine.max_len, opts.lookup_tokens)
     peers = LlamaCppPeers.load(engine, opts.model, opts.lookup_tokens, n_ctx)
     info: dict[str, Any] = {"library": "llama-cpp-python", "version": _version("llama-cpp-python"),
                             "gguf": str(peers.path), "n_threads": peers.threads, "n_ctx": n_ctx,
                             "n_batch": LLAMACPP_BATCH, "use_mmap": False, "num_pred_tokens": opts.lookup_tokens,
                             "max_ngram_size": LLAMACPP_MAX_NGRAM, "error": None}
-    try:
-        peer_records = runner.run_items(_selected(opts, peers.methods()), items, desc="llama.cpp peers")
-        _add_peer_records(peer_records, records, kinds)
-        try:  # a failing probe costs only its own figures
-            info.update(peers.decode_costs(prompts[0]))
-        except Exception as e:  # noqa: BLE001
-            log.warning("llama.cpp decode-cost probe failed: %s", e)
-            info["decode_costs_error"] = f"{type(e).__name__}: {e}"
-    finally:
-        peers.close()
-    return info
+    return peers, info
 
 
 def _version(package: str) -> str | None:
@@ -398,8 +418,9 @@ def add_parser(sub: Any, add_engine_args: Callable[[argparse.ArgumentParser], No
 
     b = sub.add_parser("bench", help="benchmark methods against plain decoding (and peers): report.md, .json, plots",
                        description="Plain decoding runs first as the baseline, then every method, interleaved per "
-                       "prompt; peers (--peers hf,llamacpp) run on the same prompts afterwards, the stability suite "
-                       "(--stability) last. --out receives report.md, report.json and PNG plots. A method string's "
+                       "prompt; peers (--peers hf,llamacpp) run as more methods of the same interleaving, the "
+                       "stability suite (--stability) last. --out receives report.md, report.json and PNG plots. A "
+                       "method string's "
                        "options override the speculation settings below for that method; those it leaves out take "
                        "-k, --k-policy, --confidence, --draft-vocab and --draft-window, whose defaults are the ones "
                        "`verispec generate` runs. See docs/bench.md.")

@@ -171,9 +171,11 @@ def _consistency(report: dict[str, Any]) -> str:
 
 def _memory(report: dict[str, Any]) -> str:
     mem = report["memory"]
-    head = (f"Process peak RSS: {_mb(mem['peak_rss_bytes'])} MiB (before peers: "
-            f"{_mb(mem['peak_rss_before_peers_bytes'])} MiB); RSS after loading the models: "
-            f"{_mb(mem['rss_after_load_bytes'])} MiB.\n\n")
+    peers = mem.get("peers_rss_bytes")
+    head = (f"Process peak RSS: {_mb(mem['peak_rss_bytes'])} MiB"
+            + (f" (the peers, loaded beside the engine, added {_mb(peers)} MiB; the verispec rows below leave "
+               "that out)" if peers else "")
+            + f"; RSS after loading the models: {_mb(mem['rss_after_load_bytes'])} MiB.\n\n")
     body = [[m["method"], _mb(m["max_rss_bytes"]), _mb(m["draft_model_bytes"]), _mb(m["draft_cache_bytes"]),
              _mb(m["draft_increment_bytes"])] for m in mem["methods"]]
     return head + _table(["method", "max RSS after a generation (MiB)", "draft weights (MiB)", "draft KV cache (MiB)",
