@@ -27,4 +27,6 @@ def test_intel_and_missing_fields():
     intel = ZEN4.replace("AuthenticAMD", "GenuineIntel").replace("cpu family\t: 25", "cpu family\t: 6") \
         .replace("model name\t: AMD EPYC", "model name\t: Intel Xeon").replace(" avx512_bf16", "")
     assert cpu_description(intel) == "Intel Xeon (family 6 model 17; AVX-512)"
+    amx = intel.replace("model\t\t: 17", "model\t\t: 143").replace("avx512f", "avx512f avx512_bf16 amx_bf16")
+    assert cpu_description(amx) == "Intel Xeon (family 6 model 143; AVX-512 BF16, AMX)"
     assert cpu_description("model name\t: Some CPU\n") == "Some CPU"

@@ -35,6 +35,7 @@ from test_quant import write_gguf
 from tiny import make_tiny
 
 from verispec import Engine, EngineConfig, SamplingParams, SpecConfig, kernels
+from verispec.config import K_MAX
 from verispec.errors import VerispecError
 from verispec.models import linear
 from verispec.models.linear import (
@@ -672,6 +673,29 @@ def test_large_m_prefill_keeps_bf16_speculation_equal_to_plain(kind, int4_models
     for k in (3, 12):
         spec = SpecConfig(k_policy="fixed", method="layerskip", k=k, layers=1)
         assert [r.token_ids for r in engine.generate(LONG_PROMPTS, params, spec=spec)] == plain, k
+
+
+@fast_only
+def test_widest_verification_keeps_the_kernels_at_the_lowest_large_m_threshold(int4_models, monkeypatch):
+    # Where oneDNN runs on AMX the large-M path starts at VERIFY_M_MAX + 1 tokens per row: a prompt of
+    # that many takes it, while a step scoring K_MAX drafts (VERIFY_M_MAX tokens) keeps the kernels,
+    # so greedy speculation at the widest k still reproduces plain decoding.
+    assert K_MAX + 1 == linear.VERIFY_M_MAX < linear.PREFILL_M
+    monkeypatch.setattr(linear, "PREFILL_M", linear.VERIFY_M_MAX + 1)
+    calls = count_expansions(monkeypatch)
+    model = int4_models[(torch.bfloat16, "auto")]
+    engine = Engine(EngineConfig(model="tiny", dtype="bfloat16", max_len=320, progress=False), model, None, {1})
+    prompts = [torch.randint(2, 96, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (67, 90)]
+    params = SamplingParams(max_tokens=140, ignore_eos=True)
+    plain = [r.token_ids for r in engine.generate(prompts, params)]
+    per_prefill = len(model.layers) * 4
+    assert len(calls) == per_prefill * len(prompts)
+    calls.clear()
+    spec = SpecConfig(k_policy="fixed", method="layerskip", k=K_MAX, layers=1)
+    results = engine.generate(prompts, params, spec=spec)
+    assert [r.token_ids for r in results] == plain
+    assert all(max(r.metrics.k_chosen) == K_MAX for r in results)  # some steps scored K_MAX + 1 tokens
+    assert len(calls) == per_prefill * len(prompts)  # the prefills, and no verification
 
 
 @fast_only

@@ -9,13 +9,14 @@ from typing import Any
 import torch
 
 from verispec.errors import VerispecError
-from verispec.models.linear import WEIGHT_CHOICES
+from verispec.models.linear import VERIFY_M_MAX, WEIGHT_CHOICES
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
 METHODS = ("none", "draft", "ngram", "retrieval", "layerskip", "hybrid", "suffix")
 LOOKUPS = ("ngram", "suffix")  # the context lookups of hybrid
 K_POLICIES = ("fixed", "heuristic", "confidence", "cost")
+K_MAX = VERIFY_M_MAX - 1  # the most draft tokens (chain or tree nodes) one step may score
 
 
 @cache
@@ -170,8 +171,8 @@ class SpecConfig:
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise VerispecError(f"unknown speculation method '{self.method}' (choose from {', '.join(METHODS)})")
-        if not isinstance(self.k, int) or not 0 <= self.k <= 64:
-            raise VerispecError(f"k must be an integer in [0, 64] (got {self.k!r})")
+        if not isinstance(self.k, int) or not 0 <= self.k <= K_MAX:
+            raise VerispecError(f"k must be an integer in [0, {K_MAX}] (got {self.k!r})")
         if self.k_policy not in K_POLICIES:
             raise VerispecError(f"unknown k policy '{self.k_policy}' (choose from {', '.join(K_POLICIES)})")
         if self.confidence is not None and (isinstance(self.confidence, bool) or

@@ -17,7 +17,8 @@ _AMD_CORES = ((25, range(0x10, 0x20), "Zen 4"), (25, range(0x60, 0x80), "Zen 4")
 
 def cpu_description(cpuinfo: str) -> str:
     """The CPU as figures must name it: model name, family and model (and AMD's core generation), and
-    the widest vector extension the kernels can use, from the text of /proc/cpuinfo."""
+    the widest vector extension the kernels can use (and AMX, which oneDNN's GEMMs use), from the text of
+    /proc/cpuinfo."""
     fields: dict[str, str] = {}
     for line in cpuinfo.splitlines():
         key, sep, value = line.partition(":")
@@ -35,6 +36,7 @@ def cpu_description(cpuinfo: str) -> str:
     flags = set(fields.get("flags", "").split())
     isa = ("AVX-512 BF16" if "avx512_bf16" in flags else "AVX-512" if "avx512f" in flags
            else "AVX2" if "avx2" in flags else "no AVX2")
+    isa += ", AMX" if "amx_bf16" in flags else ""
     return f"{name} ({where}; {isa})"
 
 

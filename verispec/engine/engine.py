@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from verispec import hub
-from verispec.config import PLAIN, EngineConfig, SpecConfig, resolve_dtype
+from verispec.config import K_MAX, PLAIN, EngineConfig, SpecConfig, resolve_dtype
 from verispec.drafters import make_drafter
 from verispec.drafters.base import DraftContext, Drafter
 from verispec.drafters.hybrid import HybridDrafter
@@ -58,10 +58,10 @@ Prompt = str | list[int] | list[dict[str, str]]
 
 __all__ = ["Engine", "GenerationResult", "Prompt", "RequestHandle", "check_tokenizers_match"]
 
-# Cache positions past max_len: a row padded to the step's widest k + 1 (k <= 64) writes up to 64
+# Cache positions past max_len: a row padded to the step's widest k + 1 (k <= K_MAX) writes up to K_MAX
 # positions past its own end, the lockstep draft catch-up a few more, and a compiled forward pads
 # the scored tokens up to its bucket (at most 32).
-SLACK = 64 + 1 + MAX_LOCKSTEP_FEED + 4
+SLACK = K_MAX + 1 + MAX_LOCKSTEP_FEED + 4
 
 
 def check_tokenizers_match(target_tok: Any, draft_tok: Any, target_vocab: int, draft_vocab: int) -> None:

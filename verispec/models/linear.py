@@ -43,7 +43,25 @@ INT4_GROUP = 32
 # int8 down) or ~256 (int4 gate/up, 55 MB to expand); above, the oneDNN path wins by 10-25% at 512-900.
 # For the whole prefill the kernels are 3% faster at 224 tokens, even at 256, and 3/10/11/23% slower at
 # 300/384/512/900. Expanding writes 2 bytes per weight (55 MB for gate/up), which only many rows amortize.
-PREFILL_M = 256
+# Where oneDNN runs bf16 GEMMs on AMX tiles the crossover is far lower (2-core Intel Xeon with AMX:
+# dequantize + oneDNN is 2x the kernels per layer at 32 rows, 7x at 256; a 100-token prefill of the
+# int4 1.5B takes 0.41 s instead of 1.47 s), so there the path starts just above VERIFY_M_MAX.
+PREFILL_M_NO_AMX = 256
+# The most tokens a verification scores per row (k <= 64 drafts plus the row's last token). Every forward
+# of at most this many tokens per row keeps the kernels, so verification stays bit-identical to plain decoding.
+VERIFY_M_MAX = 65
+
+
+def onednn_amx() -> bool:
+    """Whether oneDNN's bf16 GEMMs run on AMX tiles here: the CPU has them and the OS grants their state."""
+    init = getattr(torch.cpu, "_init_amx", None)
+    try:
+        return bool(init is not None and init())
+    except RuntimeError:
+        return False
+
+
+PREFILL_M = VERIFY_M_MAX + 1 if onednn_amx() else PREFILL_M_NO_AMX
 # Weights larger than this many elements (a big vocabulary's lm_head asked for every position's
 # logits) are expanded and multiplied in row chunks, so the scratch buffer stays bounded.
 LARGE_M_CHUNK = 32 * 2**20
