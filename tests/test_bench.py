@@ -263,6 +263,32 @@ def test_peers_run_interleaved_with_verispec_methods(pair: tuple[str, str], tmp_
     assert [r["method"] for r in report["summary"]] == [BASELINE, "ngram", "hf-plain"]
 
 
+def test_a_failed_run_frees_its_peers_without_probing(pair: tuple[str, str], tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    from verispec.bench import command
+    from verispec.bench.harness import BenchRunner
+
+    finished: list[Any] = []
+    finish = command.LoadedPeers.finish
+
+    def spy(self: Any, first_prompt: list[int] | None, greedy: bool) -> dict[str, Any]:
+        info = finish(self, first_prompt, greedy)
+        finished.append((first_prompt, dict(self.handles)))
+        return info
+
+    def fail(self: BenchRunner, methods: dict[str, Any], item: Any) -> Any:
+        raise RuntimeError("the host went away")
+
+    monkeypatch.setattr(command.LoadedPeers, "finish", spy)
+    monkeypatch.setattr(BenchRunner, "run_item", fail)
+    data = _write_jsonl(tmp_path / "prompts.jsonl", [{"id": "p0", "prompt": "say things"}])
+    with pytest.raises(RuntimeError, match="the host went away"):
+        run_bench(BenchOptions(model=pair[0], draft=pair[1], methods="none", dataset=f"jsonl:{data}", max_tokens=4,
+                               dtype="float32", max_len=MAX_LEN, out=str(tmp_path / "out"), progress=False,
+                               plots=False, peers=["hf"], peer_methods=["hf-plain"]))
+    assert finished == [(None, {})]  # freed once, no probe prompt
+
+
 # -- the CLI end to end ------------------------------------------------------------------------------
 
 def test_cli_end_to_end_greedy_with_peers_and_stability(pair: tuple[str, str], tmp_path: Path,

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -154,6 +156,25 @@ def test_non_gguf_model_is_a_clear_error(tiny_model: str, tmp_path: Path, monkey
     assert command._check_peers(BenchOptions(model=str(gguf), peers=["llamacpp"])) == {}
 
 
+def _crash_with_extra_buffers(path: str, extra: bool) -> None:
+    if extra:
+        os.kill(os.getpid(), signal.SIGKILL)  # as a crash ends it (SIGSEGV would print a dump here)
+
+
+def _crash(path: str, extra: bool) -> None:
+    os.kill(os.getpid(), signal.SIGKILL)  # as a crash ends it (SIGSEGV would print a dump here)
+
+
+def test_a_llamacpp_crash_turns_its_extra_buffers_off_or_is_a_clear_error(tmp_path: Path) -> None:
+    # A child process decodes first (a crash there must not end the benchmark): with llama.cpp's extra
+    # buffer types where that works, without them where only that works, else a clear error.
+    gguf = tmp_path / "m.gguf"
+    assert peers.llamacpp_extra_buffers(gguf, check=lambda path, extra: None, start_method="fork") is True
+    assert peers.llamacpp_extra_buffers(gguf, check=_crash_with_extra_buffers, start_method="fork") is False
+    with pytest.raises(VerispecError, match=r"could not decode .*m\.gguf.*\[-9, -9\]"):
+        peers.llamacpp_extra_buffers(gguf, check=_crash, start_method="fork")
+
+
 # -- the bench's plumbing, with a stand-in for llama.cpp ----------------------------------------------
 
 class _FakeLlamaCpp:
@@ -163,6 +184,7 @@ class _FakeLlamaCpp:
 
     def __init__(self, engine: Any, lookup_tokens: int) -> None:
         self.engine, self.path, self.threads = engine, Path("fake.gguf"), torch.get_num_threads()
+        self.extra_buffers = True
         self.lookup = SpecConfig("ngram", lookup_tokens, "fixed")
 
     @classmethod

@@ -147,9 +147,12 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
         kinds.update(dict.fromkeys(peers.methods, "peer"))
     try:
         items, records = runner.run_prompts(gens, prompts, BASELINE)
-    finally:
-        peers_info = peers.finish(engine.encode(prompts[0].text, prompts[0].chat), params.greedy) \
-            if peers is not None else None
+    except BaseException:
+        if peers is not None:
+            peers.finish(None, params.greedy)  # free them, without the probe: the run is over
+        raise
+    peers_info = peers.finish(engine.encode(prompts[0].text, prompts[0].chat), params.greedy) \
+        if peers is not None else None
 
     rows = aggregate(items, records, BASELINE, kinds, {m.label: m.spec.k for m in methods if not m.is_baseline})
     consistency = _consistency(records, params.greedy)
@@ -384,7 +387,8 @@ def _load_llamacpp_peer(opts: BenchOptions, engine: Any, prompts: list[Any]) -> 
     info: dict[str, Any] = {"library": "llama-cpp-python", "version": _version("llama-cpp-python"),
                             "gguf": str(peers.path), "n_threads": peers.threads, "n_ctx": n_ctx,
                             "n_batch": LLAMACPP_BATCH, "use_mmap": False, "num_pred_tokens": opts.lookup_tokens,
-                            "max_ngram_size": LLAMACPP_MAX_NGRAM, "error": None}
+                            "max_ngram_size": LLAMACPP_MAX_NGRAM, "extra_buffer_types": peers.extra_buffers,
+                            "error": None}
     return peers, info
 
 

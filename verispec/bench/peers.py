@@ -14,8 +14,11 @@ handling and the number of new tokens match the engine's.
 from __future__ import annotations
 
 import gc
+import multiprocessing
 import statistics
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -169,6 +172,63 @@ def import_llama_cpp() -> Any:
     return llama_cpp
 
 
+@contextmanager
+def extra_buffer_types(llama_cpp: Any, enabled: bool) -> Iterator[None]:
+    """``Llama`` objects built inside load with llama.cpp's extra buffer types (weight repacking, AMX) on or off.
+
+    llama-cpp-python builds its model parameters from ``llama_model_default_params()`` and has no
+    argument for ``use_extra_bufts``, so the defaults it reads are wrapped while it loads.
+    """
+    lib = llama_cpp.llama_cpp
+    default = lib.llama_model_default_params
+
+    def params() -> Any:
+        p = default()
+        p.use_extra_bufts = enabled
+        return p
+
+    lib.llama_model_default_params = params
+    try:
+        yield
+    finally:
+        lib.llama_model_default_params = default
+
+
+def _decode_check(path: str, extra_buffers: bool) -> None:
+    """Load ``path`` in llama.cpp and decode a short batch, then single tokens (a child process's work)."""
+    llama_cpp = import_llama_cpp()
+    with extra_buffer_types(llama_cpp, extra_buffers):
+        llm = llama_cpp.Llama(path, n_ctx=64, n_batch=16, n_threads=1, verbose=False)
+    llm.eval(list(range(100, 108)))
+    llm.eval([108])
+    llm.eval([109])
+
+
+def llamacpp_extra_buffers(path: Path, timeout_s: float = 600.0, check: Callable[[str, bool], None] = _decode_check,
+                           start_method: str = "spawn") -> bool:
+    """Whether llama.cpp may use its extra buffer types on ``path`` here: it decodes with them in a child process.
+
+    On some CPUs with AMX, llama.cpp's AMX path crashes the process at the first decode of a
+    Q4_K file (a segmentation fault, which would end the whole benchmark). A child process loads the
+    file and decodes a few tokens with them, then, if it died, without them; the peer runs the first
+    way that decoded. Neither: a :class:`VerispecError` saying so. ``check`` is the child's work.
+    """
+    ctx = multiprocessing.get_context(start_method)
+    codes = []
+    for extra in (True, False):
+        child = ctx.Process(target=check, args=(str(path), extra), daemon=True)
+        child.start()
+        child.join(timeout_s)
+        if child.is_alive():
+            child.kill()
+            child.join()
+        if child.exitcode == 0:
+            return extra
+        codes.append(child.exitcode)
+    raise VerispecError(f"llama.cpp could not decode {path} in a child process (exit codes {codes}, with and "
+                        "without its extra buffer types)")
+
+
 def gguf_file(name_or_path: str) -> Path:
     """The GGUF file the engine loads for ``name_or_path`` (registry name, .gguf file or a folder holding one)."""
     folder, name = hf_location(name_or_path)
@@ -206,6 +266,7 @@ class LlamaCppPeers:
     threads: int
     lookup_tokens: int = 10
     eos: frozenset[int] = frozenset()
+    extra_buffers: bool = True  # llama.cpp's extra buffer types (weight repacking, AMX); see llamacpp_extra_buffers
 
     @classmethod
     def load(cls, engine: Engine, model: str, lookup_tokens: int, n_ctx: int) -> LlamaCppPeers:
@@ -218,16 +279,18 @@ class LlamaCppPeers:
         common: dict[str, Any] = {"n_ctx": n_ctx, "n_batch": LLAMACPP_BATCH, "n_ubatch": LLAMACPP_BATCH,
                                   "n_threads": threads, "n_threads_batch": threads, "use_mmap": False,
                                   "verbose": False}
+        extra = llamacpp_extra_buffers(path)
         try:
-            plain = llama_cpp.Llama(str(path), **common)
-            lookup = llama_cpp.Llama(str(path), logits_all=True, **common, draft_model=LlamaPromptLookupDecoding(
-                max_ngram_size=LLAMACPP_MAX_NGRAM, num_pred_tokens=lookup_tokens))
+            with extra_buffer_types(llama_cpp, extra):
+                plain = llama_cpp.Llama(str(path), **common)
+                lookup = llama_cpp.Llama(str(path), logits_all=True, **common, draft_model=LlamaPromptLookupDecoding(
+                    max_ngram_size=LLAMACPP_MAX_NGRAM, num_pred_tokens=lookup_tokens))
         except (OSError, ValueError, RuntimeError) as e:
             raise VerispecError(f"llama.cpp could not load {path}: {e}") from None
         vocab = engine.target.args.vocab_size
         if plain.n_vocab() != vocab:
             raise VerispecError(f"llama.cpp reads a vocabulary of {plain.n_vocab()} from {path}, the engine {vocab}")
-        return cls(engine, plain, lookup, path, n_ctx, threads, lookup_tokens, frozenset(engine.eos_ids))
+        return cls(engine, plain, lookup, path, n_ctx, threads, lookup_tokens, frozenset(engine.eos_ids), extra)
 
     def methods(self) -> dict[str, Generate]:
         """Labelled generate functions: llamacpp-plain and llamacpp-prompt-lookup."""

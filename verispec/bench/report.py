@@ -196,6 +196,9 @@ def _peer_library(name: str, lib: dict[str, Any], decoding: str) -> str:
                 f"n_threads {lib['n_threads']}, n_ctx {lib['n_ctx']}, n_batch {lib['n_batch']}; prompt lookup "
                 f"(LlamaPromptLookupDecoding) with num_pred_tokens={lib['num_pred_tokens']}, "
                 f"max_ngram_size={lib['max_ngram_size']}.")
+        if lib.get("extra_buffer_types") is False:
+            line += (" Its extra buffer types (weight repacking, AMX) were off: with them llama.cpp crashed "
+                     "decoding this GGUF on this host.")
         if lib.get("eval_ms_per_token") is not None:
             line += (f" Per-token decode cost after a {lib['probe_prompt_tokens']}-token prompt (median of "
                      f"{lib['probe_tokens']}): {_f(lib['generate_ms_per_token'])} ms through Llama.generate, "
