@@ -134,8 +134,10 @@ def peers_line(report: dict[str, Any]) -> str | None:
         if lib.get("error"):
             continue
         if name == "llamacpp":
-            out.append(f"llama.cpp (llama-cpp-python {lib.get('version')}, {lib.get('n_threads')} threads) on the "
-                       "same GGUF file")
+            extra = ("; its extra buffer types (weight repacking, AMX) off, as with them llama.cpp crashed here"
+                     if lib.get("extra_buffer_types") is False else "")
+            out.append(f"llama.cpp (llama-cpp-python {lib.get('version')}, {lib.get('n_threads')} threads{extra}) on "
+                       "the same GGUF file")
         elif name == "hf":
             out.append(f"transformers {lib.get('version') or ''} on the same weights ({lib.get('dtype')})")
     return f"Peers: {'; '.join(out)}, same prompt token ids." if out else None
