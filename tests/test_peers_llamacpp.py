@@ -156,13 +156,13 @@ def test_non_gguf_model_is_a_clear_error(tiny_model: str, tmp_path: Path, monkey
     assert command._check_peers(BenchOptions(model=str(gguf), peers=["llamacpp"])) == {}
 
 
-def _crash_with_extra_buffers(path: str, extra: bool) -> None:
-    if extra:
-        os.kill(os.getpid(), signal.SIGKILL)  # as a crash ends it (SIGSEGV would print a dump here)
-
-
 def _crash(path: str, extra: bool) -> None:
     os.kill(os.getpid(), signal.SIGKILL)  # as a crash ends it (SIGSEGV would print a dump here)
+
+
+def _crash_with_extra_buffers(path: str, extra: bool) -> None:
+    if extra:
+        _crash(path, extra)
 
 
 def test_a_llamacpp_crash_turns_its_extra_buffers_off_or_is_a_clear_error(tmp_path: Path) -> None:

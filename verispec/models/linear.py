@@ -36,17 +36,6 @@ WEIGHT_FORMATS = ("dense", "int8", "int4", "int4-all")
 WEIGHT_CHOICES = ("auto", *WEIGHT_FORMATS)
 INT4_GROUP = 32
 
-# Tokens per row from which the fast layers (int4, int8 and dense bf16 with verispec's kernels) run
-# a bf16 product as dequantize-to-bf16 + F.linear (oneDNN) instead of their own kernel. Measured on
-# the 2-core Zen 5 (bench/kernel_bench.py --large-m; prefill of the int4 Qwen2.5-Coder-1.5B with the
-# threshold toggled): per layer the kernels win below ~192 tokens and tie at ~192-256 (int4 q/k/v, o,
-# int8 down) or ~256 (int4 gate/up, 55 MB to expand); above, the oneDNN path wins by 10-25% at 512-900.
-# For the whole prefill the kernels are 3% faster at 224 tokens, even at 256, and 3/10/11/23% slower at
-# 300/384/512/900. Expanding writes 2 bytes per weight (55 MB for gate/up), which only many rows amortize.
-# Where oneDNN runs bf16 GEMMs on AMX tiles the crossover is far lower (2-core Intel Xeon with AMX:
-# dequantize + oneDNN is 2x the kernels per layer at 32 rows, 7x at 256; a 100-token prefill of the
-# int4 1.5B takes 0.41 s instead of 1.47 s), so there the path starts just above VERIFY_M_MAX.
-PREFILL_M_NO_AMX = 256
 # The most tokens a verification scores per row (k <= 64 drafts plus the row's last token). Every forward
 # of at most this many tokens per row keeps the kernels, so verification stays bit-identical to plain decoding.
 VERIFY_M_MAX = 65
@@ -61,7 +50,17 @@ def onednn_amx() -> bool:
         return False
 
 
-PREFILL_M = VERIFY_M_MAX + 1 if onednn_amx() else PREFILL_M_NO_AMX
+# Tokens per row from which the fast layers (int4, int8 and dense bf16 with verispec's kernels) run
+# a bf16 product as dequantize-to-bf16 + F.linear (oneDNN) instead of their own kernel. Measured on
+# the 2-core Zen 5 (bench/kernel_bench.py --large-m; prefill of the int4 Qwen2.5-Coder-1.5B with the
+# threshold toggled): per layer the kernels win below ~192 tokens and tie at ~192-256 (int4 q/k/v, o,
+# int8 down) or ~256 (int4 gate/up, 55 MB to expand); above, the oneDNN path wins by 10-25% at 512-900.
+# For the whole prefill the kernels are 3% faster at 224 tokens, even at 256, and 3/10/11/23% slower at
+# 300/384/512/900. Expanding writes 2 bytes per weight (55 MB for gate/up), which only many rows amortize.
+# Where oneDNN runs bf16 GEMMs on AMX tiles the crossover is far lower (2-core Intel Xeon with AMX:
+# dequantize + oneDNN is 2x the kernels per layer at 32 rows, 7x at 256; a 100-token prefill of the
+# int4 1.5B takes 0.41 s instead of 1.47 s), so there the path starts just above VERIFY_M_MAX.
+PREFILL_M = VERIFY_M_MAX + 1 if onednn_amx() else 256
 # Weights larger than this many elements (a big vocabulary's lm_head asked for every position's
 # logits) are expanded and multiplied in row chunks, so the scratch buffer stays bounded.
 LARGE_M_CHUNK = 32 * 2**20
