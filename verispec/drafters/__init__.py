@@ -50,11 +50,7 @@ def make_drafter(spec: SpecConfig, ctx: DraftContext) -> Drafter | None:
 
 
 def _check_draft_model(spec: SpecConfig, ctx: DraftContext) -> None:
-    from verispec.config import check_draft_window
-    from verispec.drafters.vocab import check_draft_vocab
-
-    check_draft_vocab(spec.draft_vocab)
-    check_draft_window(spec.draft_window)
+    # draft_vocab and draft_window were checked when the SpecConfig was built.
     if spec.draft_vocab is not None and ctx.compiled:
         # The compiled forward (engine.compiled) has no head argument: it would score the full vocabulary.
         raise VerispecError(f"method '{spec.method}': a reduced draft vocabulary (vocab={spec.draft_vocab}) "

@@ -27,8 +27,6 @@ class DraftContext:
     target_cache: KVCache  # the target's cache, a row per engine slot (layer-skip drafts on its request's row)
     draft: Transformer | None  # a smaller same-tokenizer model, if the engine loaded one
     tokenizer: Any | None
-    eos_ids: frozenset[int]
-    cache_len: int  # positions a drafter's own KV cache holds
     compiled: bool  # the forwards are compiled: they take no head argument (no reduced draft vocabulary)
     # State the drafters of one engine share, by key (the suffix drafter's index of earlier outputs). The
     # engine passes one dict to every context it builds, so nothing is shared across engines.

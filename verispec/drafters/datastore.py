@@ -50,10 +50,6 @@ class Datastore:
     sa: np.ndarray
     meta: dict[str, Any]
 
-    @property
-    def n_tokens(self) -> int:
-        return len(self.tokens)
-
     @classmethod
     def open(cls, path: str | Path, tokenizer: Any | None = None, vocab_size: int | None = None) -> Datastore:
         """Open the datastore at ``path``; refuse it if it was built with another tokenizer.

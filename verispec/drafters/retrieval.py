@@ -1,8 +1,8 @@
 """Retrieval drafting (after REST, He et al. 2023): continue the context the way a corpus continues it.
 
 The corpus lives in a :class:`~verispec.drafters.datastore.Datastore` (token ids plus their
-suffix array, memory-mapped). Each step finds the longest suffix of the context (``max_match``
-down to ``min_match`` tokens) that occurs in the corpus and proposes the most frequent
+suffix array, memory-mapped). Each step finds the longest suffix of the context (:data:`MAX_MATCH`
+down to :data:`MIN_MATCH` tokens) that occurs in the corpus and proposes the most frequent
 continuation among its occurrences, chosen token by token. Proposals are deterministic.
 """
 
@@ -19,8 +19,9 @@ from verispec.drafters.datastore import SEPARATOR, BuildSummary, Datastore, buil
 from verispec.drafters.suffix_array import longest_match
 from verispec.sampling import SamplingParams
 
-__all__ = ["BuildSummary", "Datastore", "RetrievalDrafter", "build_datastore", "continuation_tree",
-           "most_frequent_continuation"]
+__all__ = ["BuildSummary", "Datastore", "RetrievalDrafter", "build_datastore", "continuation_tree"]
+
+MAX_MATCH, MIN_MATCH = 16, 2  # the context suffixes looked up, longest first
 
 
 def continuation_tree(continuations: np.ndarray, k: int, min_prob: float = 0.0,
@@ -65,11 +66,6 @@ def continuation_tree(continuations: np.ndarray, k: int, min_prob: float = 0.0,
     return tokens, parents
 
 
-def most_frequent_continuation(continuations: np.ndarray, k: int, min_prob: float = 0.0) -> list[int]:
-    """The greedy most frequent path through ``continuations`` (:func:`continuation_tree` of width 1)."""
-    return continuation_tree(continuations, k, min_prob)[0]
-
-
 class RetrievalDrafter(Drafter):
     """Proposes what most often follows the longest matching context suffix in ``store``.
 
@@ -80,21 +76,18 @@ class RetrievalDrafter(Drafter):
 
     name = "retrieval"
 
-    def __init__(self, store: Datastore, max_match: int = 16, min_match: int = 2, max_candidates: int = 256) -> None:
-        if not 1 <= min_match <= max_match:
-            raise ValueError("need 1 <= min_match <= max_match")
-        self.store = store
+    def __init__(self, store: Datastore, max_candidates: int = 256) -> None:
         # Plain ndarray views of the maps: slicing a np.memmap costs a subclass round trip per slice.
         self._tokens, self._sa = np.asarray(store.tokens), np.asarray(store.sa)
-        self.max_match, self.min_match, self.max_candidates = max_match, min_match, max_candidates
+        self.max_candidates = max_candidates
         self.last_match = 0  # length of the suffix the latest proposal matched (0: none)
 
-    def lookup(self, seq: list[int], k: int) -> tuple[list[int], int]:
-        """(proposed tokens, matched suffix length) for ``seq``; ([], 0) when nothing matches."""
+    def propose(self, seq: list[int], k: int, params: SamplingParams, generator: torch.Generator | None) -> Proposal:
         tokens, sa = self._tokens, self._sa
-        m, lo, hi = longest_match(tokens, sa, seq, self.max_match, self.min_match)
+        m, lo, hi = longest_match(tokens, sa, seq, MAX_MATCH, MIN_MATCH)
+        self.last_match = m
         if m == 0 or k <= 0:
-            return [], m
+            return Proposal([])
         count = hi - lo
         n_take = min(count, self.max_candidates)
         rows = lo + (np.arange(n_take, dtype=np.int64) * count) // n_take
@@ -102,8 +95,4 @@ class RetrievalDrafter(Drafter):
         offsets = starts[:, None] + np.arange(k, dtype=np.int64)
         n = len(tokens)
         conts = np.where(offsets < n, tokens[np.minimum(offsets, n - 1)], SEPARATOR)
-        return most_frequent_continuation(conts, k), m
-
-    def propose(self, seq: list[int], k: int, params: SamplingParams, generator: torch.Generator | None) -> Proposal:
-        tokens, self.last_match = self.lookup(seq, k)
-        return Proposal(tokens)
+        return Proposal(continuation_tree(conts, k)[0])

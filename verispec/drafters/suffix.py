@@ -108,13 +108,10 @@ class OutputIndex:
         self._ids = itertools.count()
 
     @classmethod
-    def shared(cls, registry: dict, budget: int, owner: str = "") -> OutputIndex:
+    def shared(cls, registry: dict, budget: int, owner: str) -> OutputIndex:
         """The index of ``budget`` tokens that ``registry`` (an engine's :attr:`DraftContext.shared`) holds
         for ``owner`` (the speculation settings of the requests that share it)."""
-        index = registry.get((cls.__name__, budget, owner))
-        if index is None:
-            index = registry[(cls.__name__, budget, owner)] = cls(budget)
-        return index
+        return registry.setdefault((cls.__name__, budget, owner), cls(budget))
 
     @staticmethod
     def _keys(tokens: Sequence[int]) -> Iterable[tuple[int, int]]:

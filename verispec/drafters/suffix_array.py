@@ -5,6 +5,7 @@ Kept apart from the drafter so the index can be tested (and reused) on plain arr
 
 from __future__ import annotations
 
+from bisect import bisect_left, bisect_right
 from collections.abc import Callable
 
 import numpy as np
@@ -46,32 +47,13 @@ def suffix_array(tokens: np.ndarray, on_round: Callable[[int], None] | None = No
     return sa
 
 
-def _compare(tokens: np.ndarray, start: int, pattern: list[int]) -> int:
-    """-1, 0 or 1 as the suffix at ``start``, cut to ``len(pattern)`` tokens, is <, == or > ``pattern``."""
-    window = tokens[start:start + len(pattern)].tolist()
-    return (window > pattern) - (window < pattern)
-
-
-def find_range(tokens: np.ndarray, sa: np.ndarray, pattern: list[int], lo: int = 0, hi: int | None = None
-               ) -> tuple[int, int]:
+def find_range(tokens: np.ndarray, sa: np.ndarray, pattern: list[int]) -> tuple[int, int]:
     """The range ``[lo, hi)`` of ``sa`` whose suffixes start with ``pattern`` (empty when none does)."""
-    hi = len(sa) if hi is None else hi
-    a, b = lo, hi
-    while a < b:  # first suffix >= pattern
-        mid = (a + b) // 2
-        if _compare(tokens, int(sa[mid]), pattern) < 0:
-            a = mid + 1
-        else:
-            b = mid
-    first = a
-    b = hi
-    while a < b:  # first suffix > pattern (among those that start with it or sort after)
-        mid = (a + b) // 2
-        if _compare(tokens, int(sa[mid]), pattern) <= 0:
-            a = mid + 1
-        else:
-            b = mid
-    return first, a
+    def window(start: np.integer) -> list[int]:  # the suffix cut to the pattern's length (int: no int32 overflow)
+        return tokens[int(start):int(start) + len(pattern)].tolist()
+
+    first = bisect_left(sa, pattern, key=window)
+    return first, bisect_right(sa, pattern, first, key=window)
 
 
 def longest_match(tokens: np.ndarray, sa: np.ndarray, context: list[int], max_len: int, min_len: int

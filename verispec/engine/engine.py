@@ -316,8 +316,7 @@ class Engine:
     @property
     def draft_context(self) -> DraftContext:
         """What per-row drafters for this engine are built from (its models, cache and tokenizer)."""
-        return DraftContext(self.target, self.cache, self.draft, self.tokenizer, frozenset(self.eos_ids),
-                            self.max_len + SLACK, self.config.compile, self._shared,
+        return DraftContext(self.target, self.cache, self.draft, self.tokenizer, self.config.compile, self._shared,
                             trees=not self.config.compile and self.config.tp == 1)
 
     def drafter(self, spec: SpecConfig) -> Drafter | None:

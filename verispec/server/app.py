@@ -91,7 +91,7 @@ def create_app(engine: Engine, config: ServerConfig, worker: Worker | None = Non
     label_sets = [(PLAIN_PATH, "none")]
     if config.spec.enabled:
         label_sets.append((SPECULATIVE, config.spec.method))
-    metrics = ServerMetrics(engine.max_len, config.stats_window_s, tuple(label_sets))
+    metrics = ServerMetrics(config.stats_window_s, tuple(label_sets))
     if worker is None:
         worker = EngineWorker(engine, metrics, config.max_queue, config.spec, config.max_batch,
                               prefix_reuse=config.prefix_reuse)

@@ -66,9 +66,8 @@ class ServerMetrics:
     thread-safe and the window is guarded by a lock.
     """
 
-    def __init__(self, max_len: int, window_s: float = 60.0, label_sets: tuple[tuple[str, str], ...] = ()) -> None:
+    def __init__(self, window_s: float = 60.0, label_sets: tuple[tuple[str, str], ...] = ()) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        self.max_len = max_len
         self.window_s = window_s
         r = self.registry
         self.num_drafts = Counter("verispec:spec_decode_num_drafts", "Speculative steps that drafted at least one "

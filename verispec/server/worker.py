@@ -190,13 +190,9 @@ class EngineWorker:
         self._thread: threading.Thread | None = None
         self._labels: dict[tuple[str, str], GenRequest] = {}  # a request per (path, method) seen, for KV gauges
         self._stats: dict[str, Any] = self._snapshot()
-        self.available_methods = self._probe_methods()
+        self.available_methods = probe_methods(self._spec, self.engine.check_spec)
 
     # -- lifecycle ---------------------------------------------------------------------------
-
-    def _probe_methods(self) -> frozenset[str]:
-        """The methods the engine can serve (it builds and so validates each one's drafter)."""
-        return probe_methods(self._spec, self.engine.check_spec)
 
     def warm_up(self, k_max: int) -> None:
         """Profile the cost policy's curves for k up to ``k_max`` before serving, if the default spec uses it."""
@@ -226,14 +222,6 @@ class EngineWorker:
         return not self._thread.is_alive()
 
     # -- scheduling --------------------------------------------------------------------------
-
-    @property
-    def num_waiting(self) -> int:
-        return self._waiting
-
-    @property
-    def num_running(self) -> int:
-        return self._stats["running"]
 
     def stats(self) -> dict[str, Any]:
         """Slots, KV tokens and step figures as of the last step (a snapshot; safe from any thread)."""
@@ -376,11 +364,11 @@ class EngineWorker:
                 "prefix_draft_reused_tokens": st.prefix_draft_reused_tokens}
 
 
-def probe_methods(spec: SpecConfig, build: Any, hint: str = "") -> frozenset[str]:
+def probe_methods(spec: SpecConfig, build: Any) -> frozenset[str]:
     """The speculation methods ``build(spec)`` accepts (it raises for the others).
 
     The server's own default method must be among them: a server that cannot serve its own
-    default refuses to start, with ``hint`` appended to the error.
+    default refuses to start.
     """
     available, failures = [], {}
     for method in METHODS:
@@ -394,5 +382,5 @@ def probe_methods(spec: SpecConfig, build: Any, hint: str = "") -> frozenset[str
         else:
             available.append(method)
     if spec.enabled and spec.method in failures:
-        raise VerispecError(f"cannot speculate with '{spec.method}': {failures[spec.method]}{hint}")
+        raise VerispecError(f"cannot speculate with '{spec.method}': {failures[spec.method]}")
     return frozenset(available)
