@@ -221,7 +221,7 @@ def check_compiled(dev: str) -> dict:
         eng = engine_for(tc, dc, max_len=256 - 32, compile=inductor)
         if not inductor:  # graphs of the eager forward, one per m (no padding), no compilation
             for model in (tc, dc):
-                compile_model(model, eng.cache_len, warmup=(1,), inductor=False, buckets=tuple(range(1, 33)))
+                compile_model(model, eng.cache.max_len, warmup=(1,), inductor=False, buckets=tuple(range(1, 33)))
         got_plain = [r.token_ids for r in eng.generate(ps, params)]
         got_spec = [r.token_ids for r in eng.generate(ps, params, spec)]
         wrapper = tc.forward

@@ -94,7 +94,7 @@ def test_common_prefix_and_what_a_row_holds():
 
 def test_slot_choice_longest_match_then_empty_then_least_recently_used():
     system = list(range(10))
-    p = SlotPrefixes(4)
+    p = SlotPrefixes()
     p.record(0, system + [50] * 200)  # another conversation behind a shared system prompt
     p.record(1, [])  # released, holds nothing
     assert p.choose(system + [60, 61], [0, 1, 2]) == 1  # a 10-token match does not evict 200 tokens

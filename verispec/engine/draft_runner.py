@@ -85,7 +85,7 @@ class DraftRunner:
         self._head: SubsetHead | None = None
         self.reduced_forwards = 0  # lockstep forwards that ran a reduced head
         self._windows: dict[int, DraftWindow] = {}  # per slot: the part of its sequence the draft reads
-        self.prefixes = SlotPrefixes(slots)  # per free slot: the draft tokens its row holds
+        self.prefixes = SlotPrefixes()  # per free slot: the draft tokens its row holds
 
     def begin(self, slot: int, prompt: list[int] | None = None, draft_vocab: int | None = None,
               window: int | None = None) -> int:

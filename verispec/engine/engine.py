@@ -143,7 +143,7 @@ class Engine:
                                     f"({cache_len * per_token} B each); lower max_len or raise the limit")
         budget = slots * self.max_len if config.kv_budget_tokens is None else \
             min(config.kv_budget_tokens, slots * self.max_len)
-        self._prefixes = SlotPrefixes(slots)  # per free slot: the tokens its target row holds
+        self._prefixes = SlotPrefixes()  # per free slot: the tokens its target row holds
         self.scheduler: Scheduler[Request] = Scheduler(slots, budget, self.max_len,
                                                        self._choose_slot if config.prefix_reuse else None)
         self.cache = target.new_cache(slots, cache_len)

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -92,16 +91,6 @@ class Metrics:
             self.drafted_by_position[i] += 1
         for i in range(accepted):
             self.accepted_by_position[i] += 1
-
-    @contextmanager
-    def timed(self, stage: str) -> Iterator[None]:
-        sync()
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            sync()
-            self.stage_s[stage] += time.perf_counter() - t0
 
     @property
     def acceptance_rate(self) -> float:

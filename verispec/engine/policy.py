@@ -153,7 +153,6 @@ class CostPolicy:
 
     costs: CostModel
     min_gain: float = MIN_GAIN
-    probe_k: int = PROBE_K
     chosen: dict[int, int] = field(default_factory=dict)  # k -> steps it was chosen for governed rows
 
     def choose(self, plans: list[RowPlan], span: int | None = None) -> list[int]:
@@ -180,7 +179,7 @@ class CostPolicy:
                     ks[i] = min(k, plans[i].cap)
         else:
             due = [i for i in governed if plans[i].probes is not None and plans[i].probes.due()]
-            probe = {i: min(self.probe_k, plans[i].cap) for i in due}
+            probe = {i: min(PROBE_K, plans[i].cap) for i in due}
             # At perfect acceptance: the rows whose catch-up that wins back, and only if they pay together.
             best = dict.fromkeys(probe, 1.0)
             probe = {i: kp for i, kp in probe.items() if self._wins_back(plans, ks, probe, best, span, i)}

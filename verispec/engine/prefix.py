@@ -63,9 +63,7 @@ class SlotPrefixes:
     from an empty row, so a record can only be missing, never stale.
     """
 
-    def __init__(self, slots: int, min_match: int = MIN_MATCH) -> None:
-        self.slots = slots
-        self.min_match = min_match
+    def __init__(self) -> None:
         self._held: dict[int, list[int]] = {}
         self._released: dict[int, int] = {}  # slot -> tick of its last release (LRU order)
         self._tick = 0
@@ -94,7 +92,7 @@ class SlotPrefixes:
     def choose(self, prompt: Sequence[int], free: Sequence[int]) -> int:
         """The free slot for a request of ``prompt``.
 
-        The slot whose match saves the most, counting a match only if it saves ``min_match``
+        The slot whose match saves the most, counting a match only if it saves :data:`MIN_MATCH`
         tokens or at least as many as it overwrites; then an empty slot (lowest first, which keeps
         running rows packed); then the least recently released.
         """
@@ -104,7 +102,7 @@ class SlotPrefixes:
         def key(slot: int) -> tuple[int, bool, int, int]:
             held = self._held.get(slot, [])
             saved = reusable(held, prompt)
-            counts = saved >= self.min_match or saved >= len(held) - saved
+            counts = saved >= MIN_MATCH or saved >= len(held) - saved
             lru = -self._released.get(slot, 0) if held else 0
             return (saved if counts else 0, not held, lru, -slot)
 

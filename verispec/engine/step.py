@@ -27,7 +27,7 @@ drafter or metrics change: every row is verified first, and only then are all ro
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -274,10 +274,7 @@ class EngineStats:
 
     def summary(self) -> dict[str, Any]:
         """Plain JSON-able counters (the merged request metrics under ``requests``)."""
-        names = ("steps", "step_s", "scored_tokens", "prefill_tokens", "prefill_s", "catch_up_tokens", "catch_up_s",
-                 "prefix_hits", "prefix_reused_tokens", "prefix_draft_reused_tokens", "rows_steps", "width_steps",
-                 "policy_k")
-        d = {name: getattr(self, name) for name in names}
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "requests"}
         d["mean_rows"] = self.mean_rows
         d["requests"] = self.requests.summary()
         return d
