@@ -185,6 +185,7 @@ class _FakeLlamaCpp:
     def __init__(self, engine: Any, lookup_tokens: int) -> None:
         self.engine, self.path, self.threads = engine, Path("fake.gguf"), torch.get_num_threads()
         self.extra_buffers = True
+        self.system_info = "AVX512 = 1 | REPACK = 1"
         self.lookup = SpecConfig("ngram", lookup_tokens, "fixed")
 
     @classmethod
@@ -227,6 +228,7 @@ def test_llamacpp_rows_ratios_and_report(tiny_model: str, prompts: Path, tmp_pat
     md = (out / "report.md").read_text()
     assert "vs llamacpp-plain" in md and "tokens/s ratio to llamacpp-plain **" in md
     assert "2.00 ms for Llama.eval alone" in md and "num_pred_tokens=4" in md
+    assert lib["system_info"] == "AVX512 = 1 | REPACK = 1" and "Built with: AVX512 = 1 | REPACK = 1." in md
     # --peer-methods: only the rows asked for run.
     report = run_bench(_opts(tiny_model, prompts, tmp_path / "one", ["llamacpp"], peer_methods=["llamacpp-plain"]))
     assert [r["method"] for r in report["summary"] if r["kind"] == "peer"] == ["llamacpp-plain"]

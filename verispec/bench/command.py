@@ -388,7 +388,7 @@ def _load_llamacpp_peer(opts: BenchOptions, engine: Any, prompts: list[Any]) -> 
                             "gguf": str(peers.path), "n_threads": peers.threads, "n_ctx": n_ctx,
                             "n_batch": LLAMACPP_BATCH, "use_mmap": False, "num_pred_tokens": opts.lookup_tokens,
                             "max_ngram_size": LLAMACPP_MAX_NGRAM, "extra_buffer_types": peers.extra_buffers,
-                            "error": None}
+                            "system_info": peers.system_info, "error": None}
     return peers, info
 
 

@@ -267,6 +267,7 @@ class LlamaCppPeers:
     lookup_tokens: int = 10
     eos: frozenset[int] = frozenset()
     extra_buffers: bool = True  # llama.cpp's extra buffer types (weight repacking, AMX); see llamacpp_extra_buffers
+    system_info: str = ""  # the CPU features llama.cpp was built with ("AVX512 = 1 | AMX_INT8 = 1 | REPACK = 1 ...")
 
     @classmethod
     def load(cls, engine: Engine, model: str, lookup_tokens: int, n_ctx: int) -> LlamaCppPeers:
@@ -290,7 +291,9 @@ class LlamaCppPeers:
         vocab = engine.target.args.vocab_size
         if plain.n_vocab() != vocab:
             raise VerispecError(f"llama.cpp reads a vocabulary of {plain.n_vocab()} from {path}, the engine {vocab}")
-        return cls(engine, plain, lookup, path, n_ctx, threads, lookup_tokens, frozenset(engine.eos_ids), extra)
+        features = bytes(llama_cpp.llama_print_system_info()).decode(errors="replace").strip(" |")
+        return cls(engine, plain, lookup, path, n_ctx, threads, lookup_tokens, frozenset(engine.eos_ids), extra,
+                   features)
 
     def methods(self) -> dict[str, Generate]:
         """Labelled generate functions: llamacpp-plain and llamacpp-prompt-lookup."""

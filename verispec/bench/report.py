@@ -199,6 +199,8 @@ def _peer_library(name: str, lib: dict[str, Any], decoding: str) -> str:
         if lib.get("extra_buffer_types") is False:
             line += (" Its extra buffer types (weight repacking, AMX) were off: with them llama.cpp crashed "
                      "decoding this GGUF on this host.")
+        if lib.get("system_info"):
+            line += f" Built with: {lib['system_info']}."
         if lib.get("eval_ms_per_token") is not None:
             line += (f" Per-token decode cost after a {lib['probe_prompt_tokens']}-token prompt (median of "
                      f"{lib['probe_tokens']}): {_f(lib['generate_ms_per_token'])} ms through Llama.generate, "

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from verispec.engine.metrics import seconds_of
+from verispec.models.kv_cache import KVCache
 from verispec.models.llama import Transformer
 
 # The widest k a cost model is profiled for when nobody asks for more. A request's k never sizes
@@ -253,8 +254,7 @@ def profile_costs(target: Transformer, draft: Transformer | None, max_rows: int,
     catch_up = draft_context_s = 0.0
     if draft is not None:  # one row reading a context-token prompt, as a new row's catch-up does
         cache = draft.new_cache(1, context)
-        tokens = ((torch.arange(context, device=draft.device) * 7 + 3) % draft.args.vocab_size).unsqueeze(0)
-        pos = torch.arange(context, device=draft.device).unsqueeze(0)
+        tokens, pos = _dummy(draft, 1, context), torch.arange(context, device=draft.device).unsqueeze(0)
         times = seconds_of(lambda: draft(tokens, pos, cache, last_only=True), draft.device, reps,
                            budget_s=SHAPE_BUDGET_S)
         catch_up = max(0.0, min(times) - draft_pts[1]) / context  # beyond one one-row forward
@@ -269,35 +269,30 @@ def _context_slope(model: Transformer, short: dict[tuple[int, int], float], shap
     at ``long_context`` positions against their ``short`` (grid) times at ``context``."""
     if long_context <= context:
         return 0.0
-    device = model.device
     # Keys past what was ever written are zeros: what they hold does not change a forward's time.
     cache = model.new_cache(max(b for b, _ in shapes), long_context + max(m for _, m in shapes))
-    long = {}
-    for b, m in shapes:
-        tokens = ((torch.arange(m, device=device) * 7 + 3) % model.args.vocab_size).expand(b, -1).contiguous()
-        pos = (long_context + torch.arange(m, device=device)).expand(b, -1)
-        long[b, m] = min(seconds_of(
-            lambda tokens=tokens, pos=pos, b=b: model(tokens, pos, cache, rows=slice(0, b)), device, reps,
-            budget_s=SHAPE_BUDGET_S))
+    long = {(b, m): _fastest(model, cache, b, m, long_context, reps) for b, m in shapes}
     return per_position_s(short, long, context, long_context)
 
 
 def _time_grid(model: Transformer, batch_sizes: list[int], widths: range | tuple[int, ...], context: int,
                reps: int) -> dict[tuple[int, int], float]:
     """The fastest of ``reps`` forwards of B rows x m tokens at ``context``, per (B, m)."""
-    device = model.device
     cache = model.new_cache(max(batch_sizes), context + max(widths))
-    prefix = (torch.arange(context, device=device) * 7 + 3) % model.args.vocab_size
-    model(prefix.expand(cache.batch, -1).contiguous(), torch.arange(context, device=device).expand(cache.batch, -1),
+    model(_dummy(model, cache.batch, context), torch.arange(context, device=model.device).expand(cache.batch, -1),
           cache, last_only=True)
-    times: dict[tuple[int, int], float] = {}
-    for b in batch_sizes:
-        for m in widths:
-            # m tokens at m positions, whatever the prefix's length (k + 1 may exceed the context: k = 64).
-            tokens = ((torch.arange(m, device=device) * 7 + 3) % model.args.vocab_size).expand(b, -1).contiguous()
-            pos = (context + torch.arange(m, device=device)).expand(b, -1)
-            times[b, m] = min(seconds_of(
-                lambda tokens=tokens, pos=pos, b=b: model(tokens, pos, cache, rows=slice(0, b)), device, reps,
-                budget_s=SHAPE_BUDGET_S))
-    return times
+    # m tokens at m positions, whatever the prefix's length (k + 1 may exceed the context: k = 64).
+    return {(b, m): _fastest(model, cache, b, m, context, reps) for b in batch_sizes for m in widths}
+
+
+def _dummy(model: Transformer, b: int, m: int) -> torch.Tensor:
+    """``[b, m]`` stand-in token ids: which tokens a forward reads does not change its time."""
+    return ((torch.arange(m, device=model.device) * 7 + 3) % model.args.vocab_size).expand(b, -1).contiguous()
+
+
+def _fastest(model: Transformer, cache: KVCache, b: int, m: int, start: int, reps: int) -> float:
+    """The fastest of ``reps`` forwards of ``b`` rows (cache rows 0..b-1) x ``m`` tokens at positions ``start``..."""
+    tokens, pos = _dummy(model, b, m), (start + torch.arange(m, device=model.device)).expand(b, -1)
+    return min(seconds_of(lambda: model(tokens, pos, cache, rows=slice(0, b)), model.device, reps,
+                          budget_s=SHAPE_BUDGET_S))
 

@@ -137,21 +137,15 @@ def create_app(engine: Engine, config: ServerConfig, worker: Worker | None = Non
     if config.checks_host:  # added last, so it runs first: a refused Host never sends its body
         app.add_middleware(HostCheck, allowed=config.allowed_hosts or ())
 
-    def not_ready() -> APIError | None:
-        """The 503 a request gets before the warm-up has run (or after it failed)."""
+    def require_ready() -> None:
+        """Raise the 503 a request gets before the warm-up has run (or after it failed)."""
         readiness = state.readiness
         if readiness.state == "loading":
-            return APIError(503, "the server is loading (profiling costs); retry shortly", code="loading",
-                            headers={"Retry-After": str(state.config.retry_after_s)})
+            raise APIError(503, "the server is loading (profiling costs); retry shortly", code="loading",
+                           headers={"Retry-After": str(state.config.retry_after_s)})
         if readiness.state == "failed":
-            return APIError(503, f"the server's warm-up failed ({readiness.error}); see its log",
-                            code="warm_up_failed")
-        return None
-
-    def require_ready() -> None:
-        error = not_ready()
-        if error is not None:
-            raise error
+            raise APIError(503, f"the server's warm-up failed ({readiness.error}); see its log",
+                           code="warm_up_failed")
 
     ready = [Depends(require_ready)]
 
@@ -177,9 +171,7 @@ def create_app(engine: Engine, config: ServerConfig, worker: Worker | None = Non
     async def health() -> Health:
         if state.closing:
             raise APIError(503, "the server is shutting down", code="shutting_down")
-        error = not_ready()
-        if error is not None:
-            raise error
+        require_ready()
         return Health(status="ok")
 
     @app.get("/metrics", response_class=Response, summary="Prometheus metrics",
