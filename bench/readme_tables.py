@@ -136,6 +136,8 @@ def peers_line(report: dict[str, Any]) -> str | None:
         if name == "llamacpp":
             extra = ("; its extra buffer types (weight repacking, AMX) off, as with them llama.cpp crashed here"
                      if lib.get("extra_buffer_types") is False else "")
+            if "AMX" in (report.get("machine") or {}).get("cpu", "") and "AMX" not in lib.get("system_info", "AMX"):
+                extra += "; built without AMX"
             out.append(f"llama.cpp (llama-cpp-python {lib.get('version')}, {lib.get('n_threads')} threads{extra}) on "
                        "the same GGUF file")
         elif name == "hf":
