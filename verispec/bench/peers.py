@@ -291,7 +291,7 @@ class LlamaCppPeers:
         vocab = engine.target.args.vocab_size
         if plain.n_vocab() != vocab:
             raise VerispecError(f"llama.cpp reads a vocabulary of {plain.n_vocab()} from {path}, the engine {vocab}")
-        features = bytes(llama_cpp.llama_print_system_info()).decode(errors="replace").strip(" |")
+        features = llama_cpp.llama_print_system_info().decode(errors="replace").strip(" |")
         return cls(engine, plain, lookup, path, n_ctx, threads, lookup_tokens, frozenset(engine.eos_ids), extra,
                    features)
 
