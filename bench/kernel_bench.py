@@ -53,7 +53,7 @@ def int4_copies(n: int, k: int, count: int) -> tuple[list, list]:
         zero = torch.randn(n, k // 32, generator=g) * 0.01
         w = Int4Weight.from_codes(codes, scale, zero)
         stock.append((w.packed, w.scales_and_zeros))
-        if kernels.available():
+        if kernels.layouts_available():
             v = w.to_layout("vs16")
             fast.append((v.packed, v.scales_and_zeros))
     return stock, fast
@@ -66,7 +66,7 @@ def int8_copies(n: int, k: int, count: int) -> tuple[list, list]:
         q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
         w = Int8Weight(q, (torch.rand(n, generator=g) * 0.01).to(torch.bfloat16))
         stock.append((w.qweight, w.scale))
-        if kernels.available():
+        if kernels.layouts_available():
             fast.append((w.to_layout("vs16").qweight, w.scale))
     return stock, fast
 
@@ -175,15 +175,17 @@ def main() -> None:
         elif fmt == "int4":
             runs = {"stock": (lambda x, c: torch._weight_int4pack_mm_for_cpu(x, c[0], 32, c[1]), stock),
                     "fast": (lambda x, c, n=n: kernels.int4_mm(x, c[0], c[1], n), fast)}
-            if fast_ok and kernels.q8_available():
+            if kernels.q8_available():
                 runs["fast q8"] = (lambda x, c, n=n: kernels.int4_mm(x, c[0], c[1], n, q8=True), fast)
         else:
             runs = {"stock": (lambda x, c: torch._weight_int8pack_mm(x, c[0], c[1]), stock),
                     "fast": (lambda x, c, n=n: kernels.int8_mm(x, c[0], c[1], n), fast)}
-            if fast_ok and kernels.q8_available() and k % 32 == 0:
+            if kernels.q8_available() and k % 32 == 0:
                 runs["fast q8"] = (lambda x, c, n=n: kernels.int8_mm(x, c[0], c[1], n, q8=True), fast)
-        if not fast_ok:
-            runs.pop("fast")  # (and "fast q8" was never added)
+        if not fast_ok:  # without AVX-512 BF16 only the 8-bit kernels run (AVX2), or none
+            runs.pop("fast")
+            if fmt == "bf16":
+                continue
         for kind, (fn, copies) in runs.items():
             ts = []
             for m in ms:

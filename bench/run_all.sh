@@ -13,7 +13,8 @@ V=.venv/bin/verispec
 PY=.venv/bin/python
 PAIR=(--model qwen2.5-coder-1.5b-instruct --draft qwen2.5-coder-0.5b-instruct --dtype bfloat16 --weights dense
       --draft-weights int8)
-INT4_PAIR=(--model qwen2.5-coder-1.5b-instruct --draft qwen2.5-coder-0.5b-instruct --dtype bfloat16 --weights int4
+# auto dtype: bf16 where the CPU computes it natively, else fp32 (the int4 kernels quantize activations anyway).
+INT4_PAIR=(--model qwen2.5-coder-1.5b-instruct --draft qwen2.5-coder-0.5b-instruct --dtype auto --weights int4
            --draft-weights int4-all)
 # The speculation settings these figures were measured with, for whatever a method string leaves out
 # (fixed k, full draft head, whole prompt, no confidence stop), not verispec's current defaults.
@@ -73,9 +74,9 @@ for step in $STEPS; do
     sampling)     # plain decoding greedy, at temperature 0.8 and with top-p 0.9, and the defaults sampled: tokens/s
                   # side by side and the verification stage's share of the scoring stage
       $PY bench/sampling_speed.py --max-tokens 128 --repeats 3 --out "$D" | tee "$D/sampling.txt" ;;
-    verify_cost)  # the whole target forward's t(M)/t(1) per weight format, with a plot
-      $PY bench/verify_cost.py --formats dense,int8,int4 --kernels auto,q8 --m-max 16 --reps 5 --decode-tokens 32 \
-        --out "$D" \
+    verify_cost)  # the whole target forward's t(M)/t(1) per weight format and kernels, with a plot
+      $PY bench/verify_cost.py --formats dense,int8,int4 --kernels stock,auto,q8 --dtype auto --m-max 16 --reps 5 \
+        --decode-tokens 32 --out "$D" \
         | tee "$D/verify_cost.md" ;;
     kernels)      # per-projection t(M): PyTorch's stock kernels against verispec's small-M kernels (and q8)
       $PY bench/kernel_bench.py --m-max 16 | tee "$D/kernels.md" ;;

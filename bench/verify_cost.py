@@ -25,7 +25,7 @@ import torch
 
 from verispec import Engine, SamplingParams
 from verispec.bench.hardware import machine
-from verispec.kernels import KERNEL_CHOICES, q8_available
+from verispec.kernels import KERNEL_CHOICES, q8_available, quantized_path
 from verispec.models.linear import WEIGHT_FORMATS
 
 PROMPT = "Write a Python function that returns the n-th prime number, with a docstring and tests."
@@ -87,7 +87,10 @@ def main() -> None:
     if unknown := set(kernels) - set(KERNEL_CHOICES):
         ap.error(f"unknown kernels {', '.join(sorted(unknown))} (choose from {', '.join(KERNEL_CHOICES)})")
     if "q8" in kernels and not q8_available():
-        print("no q8 rows: 8-bit activations need verispec's kernels and AVX-512 VNNI")
+        print("no q8 rows: 8-bit activations need verispec's kernels and AVX-512 VNNI or AVX2")
+        kernels.remove("q8")
+    if {"auto", "q8"} <= set(kernels) and quantized_path("auto")[1]:
+        print("no separate q8 rows: auto runs the int4/int8 layers on 8-bit activations on this CPU (AVX2)")
         kernels.remove("q8")
     if args.threads:
         torch.set_num_threads(args.threads)  # on a shared CPU, fewer threads than cores time far steadier

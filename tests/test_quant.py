@@ -98,7 +98,10 @@ def test_int8_linear_matches_dequantized_matmul(m):
     assert isinstance(lin, Int8Linear)
     x = torch.randn(m, 96)
     ref = x @ lin.dequantized().t()
-    torch.testing.assert_close(lin(x), ref, rtol=1e-4, atol=1e-4)
+    if lin.q8:  # 8-bit activations (the default on AVX2 CPUs): their exact reference is in test_kernels
+        assert 0 < (lin(x) - ref).norm() <= 0.02 * ref.norm()
+    else:
+        torch.testing.assert_close(lin(x), ref, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("m", [1, 4, 8])

@@ -36,9 +36,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the forwards with static shapes (CUDA graphs on GPUs); eager if it fails")
     p.add_argument("--kernels", default="auto", choices=("auto", "q8", "stock"),
-                   help="int4/int8 matmul kernels: auto (verispec's small-M kernels on CPUs with AVX-512 BF16, "
-                   "else PyTorch's), q8 (the same, int4/int8 layers on 8-bit activations: AVX-512 VNNI, faster "
-                   "scoring of many tokens, slightly different numbers) or stock (always PyTorch's)")
+                   help="int4/int8 matmul kernels: auto (verispec's small-M kernels on CPUs with AVX-512 BF16; "
+                   "on AVX2 CPUs without it, its int4/int8 kernels on 8-bit activations; else PyTorch's), q8 "
+                   "(int4/int8 layers on 8-bit activations: AVX-512 VNNI or AVX2, faster scoring of many "
+                   "tokens, slightly different numbers) or stock (always PyTorch's)")
     p.add_argument("--tp", type=int, default=int(os.environ.get("WORLD_SIZE", 1)),
                    help="tensor-parallel ranks for the target; launch with torchrun --nproc-per-node N "
                    "(default: WORLD_SIZE, else 1)")

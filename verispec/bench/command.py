@@ -184,8 +184,7 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
         "settings": {**asdict(opts), "sampling": asdict(params)},
         "models": {"target": opts.model, "draft": config["draft"], "dtype": config["dtype"],
                    "weights": config["weights"], "draft_weights": config["draft_weights"], "max_len": opts.max_len,
-                   "quantized_kernels": ("stock" if opts.kernels == "stock" or not fast_kernels.available() else
-                                         "verispec q8" if opts.kernels == "q8" else "verispec"),
+                   "quantized_kernels": fast_kernels.quantized_label(opts.kernels),
                    "kernels": config["kernels"]},
         "machine": machine(), "versions": versions(),
         "methods": [{"label": m.label, "kind": kinds[m.label], "family": m.family, "from_sweep": m.from_sweep,

@@ -57,7 +57,8 @@ def prefix_linear(module: nn.Module, n: int, dtype: torch.dtype) -> nn.Module:
     out, k = module.out_features, module.in_features
     if n >= out:
         return module
-    kernels = "auto" if getattr(module, "fast", False) else "stock"  # keep the layer's kernel path
+    # Keep the layer's kernel path, 8-bit activations included.
+    kernels = "q8" if getattr(module, "q8", False) else "auto" if getattr(module, "fast", False) else "stock"
     bias = None if module.bias is None else module.bias[:n]
     head: nn.Module
     if isinstance(module, DenseLinear):

@@ -18,10 +18,12 @@ The row-wise ones (all but :func:`attend`) also serve prefill, parallel over row
 
 The C++ extension is compiled once with ``torch.utils.cpp_extension`` (g++ and ninja) into
 ``$VERISPEC_HOME/kernels/`` (``make setup`` runs ``python -m verispec.kernels``) and loaded
-from there afterwards. Every AVX-512 function has a target attribute, so the library itself
+from there afterwards. Every AVX-512 or AVX2 function has a target attribute, so the library itself
 loads on any x86-64 CPU; :func:`available` is true only when it built and the CPU has
-AVX-512 F/BW/VL/DQ/BF16. Otherwise one warning is logged and the layers keep PyTorch's stock
-kernels. ``VERISPEC_KERNELS=stock`` in the environment forces the stock kernels everywhere.
+AVX-512 F/BW/VL/DQ/BF16. A CPU with AVX2 but without those runs the int4/int8 matmuls on 8-bit
+activations (:func:`q8_available`, :func:`quantized_path`) and PyTorch's ops for the rest; without
+AVX2 one warning is logged and the layers keep PyTorch's stock kernels.
+``VERISPEC_KERNELS=stock`` in the environment forces the stock kernels everywhere.
 """
 
 from __future__ import annotations
@@ -88,8 +90,8 @@ def _load(verbose: bool) -> tuple[ModuleType | None, str]:
     if os.environ.get("VERISPEC_KERNELS", "auto").lower() == "stock":
         return None, "VERISPEC_KERNELS=stock"
     flags = _cpu_flags()
-    if flags is not None and not {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"} <= flags:
-        return None, "this CPU lacks AVX-512 BF16"
+    if flags is not None and not {"avx2", "fma"} <= flags:
+        return None, "this CPU lacks AVX2"
     folder = build_dir()
     name = f"verispec_wo_gemm_{_tag()}"
     so = folder / f"{name}.so"
@@ -117,10 +119,10 @@ def _load(verbose: bool) -> tuple[ModuleType | None, str]:
         except Exception as e:  # compiler missing, build error, ...
             _state["detail"] = str(e)
             return None, f"build failed ({type(e).__name__}; `python -m verispec.kernels` shows the compiler output)"
-    if not ext.cpu_supported():
-        return None, "this CPU lacks AVX-512 BF16"
+    if not ext.q8_isa():
+        return None, "this CPU lacks AVX2"
     _register_fakes(name)
-    return ext, ""
+    return ext, "" if ext.cpu_supported() else "this CPU lacks AVX-512 BF16"
 
 
 def _register_fakes(namespace: str) -> None:
@@ -154,15 +156,19 @@ def extension(verbose: bool = False) -> ModuleType | None:
         if "ext" not in _state:
             ext, why = _load(verbose)
             _state["ext"], _state["why"] = ext, why
+            _state["full"] = ext is not None and bool(ext.cpu_supported())
             if ext is None and why != "VERISPEC_KERNELS=stock":
                 logger.warning("verispec int4/int8/bf16 kernels unavailable (%s); using PyTorch's stock kernels", why)
+            elif ext is not None and why:
+                logger.info("verispec kernels: %s, so int4/int8 layers run the AVX2 kernels with 8-bit activations "
+                            "and everything else PyTorch's", why)
             _EXT = ext
         return _state["ext"]
 
 
 def available() -> bool:
-    """Whether the fast kernels run on this machine (builds them on first call)."""
-    return extension() is not None
+    """Whether all the fast kernels run on this machine (AVX-512 BF16; builds them on first call)."""
+    return extension() is not None and bool(_state["full"])
 
 
 def why_unavailable() -> str:
@@ -182,13 +188,38 @@ def use_fast(kernels: str) -> bool:
         raise VerispecError(f"unknown kernels '{kernels}' (choose from {', '.join(KERNEL_CHOICES)})")
     if kernels == "q8" and not q8_available():
         why = why_unavailable() or "this CPU lacks AVX-512 VNNI"
-        raise VerispecError(f"--kernels q8 needs verispec's kernels and AVX-512 VNNI ({why}); use auto or stock")
+        raise VerispecError(f"--kernels q8 needs verispec's kernels and AVX-512 VNNI or AVX2 ({why}); "
+                            "use auto or stock")
     return kernels != "stock" and available()
 
 
 def q8_available() -> bool:
-    """Whether int4 layers can multiply 8-bit activations here (the kernels run and the CPU has AVX-512 VNNI)."""
-    return available() and bool(ext().cpu_supports_vnni())
+    """Whether int4/int8 layers can multiply 8-bit activations here: the kernels built and the CPU has
+    AVX-512 BF16 and VNNI, or (without those) AVX2, where they are the only kernels that run."""
+    ext = extension()
+    return ext is not None and (not available() or bool(ext.cpu_supports_vnni()))
+
+
+def quantized_path(kernels: str) -> tuple[bool, bool]:
+    """``(fast, q8)`` for an int4/int8 layer built with ``kernels``: whether it runs verispec's kernels
+    and whether with 8-bit activations. Where the CPU lacks AVX-512 BF16 but has AVX2, the 8-bit
+    kernels are verispec's only ones, so ``auto`` takes them too."""
+    if use_fast(kernels):
+        return True, kernels == "q8"
+    if kernels != "stock" and q8_available():
+        return True, True
+    return False, False
+
+
+def quantized_label(kernels: str) -> str:
+    """What int4/int8 layers built with ``kernels`` run here: ``stock``, ``verispec`` or ``verispec q8``."""
+    fast, q8 = quantized_path(kernels)
+    return "verispec q8" if q8 else "verispec" if fast else "stock"
+
+
+def layouts_available() -> bool:
+    """Whether the packing functions (:func:`int4_pack`, :func:`int8_pack`, ...) run here."""
+    return extension() is not None
 
 
 def _ext() -> ModuleType:
@@ -373,9 +404,11 @@ def main() -> None:
     import logging
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    ok = available()
-    if ok:
+    if available():
         print(f"verispec kernels: AVX-512 BF16 int4/int8/bf16 kernels ready ({build_dir()})")
+    elif q8_available():
+        print(f"verispec kernels: AVX2 int4/int8 kernels with 8-bit activations ready ({build_dir()}); "
+              f"PyTorch's for the rest ({why_unavailable()})")
     else:
         print(f"verispec kernels: using PyTorch's stock int4/int8/bf16 kernels ({why_unavailable()})")
         if _state.get("detail"):

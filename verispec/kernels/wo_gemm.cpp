@@ -1,4 +1,5 @@
-// Weight-only int4 / int8 (and dense bf16) GEMM for a few activation rows (M = 1..8 per pass), AVX-512 BF16.
+// Weight-only int4 / int8 (and dense bf16) GEMM for a few activation rows (M = 1..8 per pass), AVX-512 BF16;
+// int4 / int8 on 8-bit activations also with AVX2 (see "AVX2" below).
 //
 // y[m, n] = sum_k x[m, k] * w[n, k], weights streamed from memory once per call.
 //
@@ -28,8 +29,9 @@
 // int4_dequant / int8_dequant / bf16_unpack expand a weight into a temporary bf16 [N, K] for it
 // (see "dequantization" below; the layers in verispec/models/linear.py choose by tokens per row).
 //
-// Every function using AVX-512 carries a target attribute, so this file is compiled without
-// -mavx512* and the library loads on any x86-64 CPU; cpu_supported() says whether to call it.
+// Every function using AVX-512 or AVX2 carries a target attribute, so this file is compiled without
+// -mavx* and the library loads on any x86-64 CPU; cpu_supported() says whether the AVX-512 BF16
+// kernels run, q8_isa() which 8-bit-activation kernels do.
 // The per-row arithmetic does not depend on M nor on how rows are chunked or threaded: a row
 // of x gives bit-identical outputs whether it is verified alone or with others.
 //
@@ -51,6 +53,7 @@ namespace {
 #define VS_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,f16c")))
 #define VS_AVX512_VBMI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi")))
 #define VS_AVX512_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma")))
+#define VS_AVX2 __attribute__((target("avx2,fma")))
 
 constexpr int64_t BN = 16;  // output rows per block (one zmm of fp32)
 constexpr int64_t MB = 8;   // activation rows per pass over a block
@@ -78,6 +81,30 @@ bool cpu_supports_vnni() {
 #else
   return false;
 #endif
+}
+
+bool cpu_supports_avx2() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#else
+  return false;
+#endif
+}
+
+// Which kernels multiply 8-bit activations here: 512 (AVX-512 VNNI, beside the BF16 kernels), 256
+// (AVX2: the int4/int8 q8 kernels are then the only ones that run) or 0 (none).
+int q8_isa() {
+  static const int isa = cpu_supports_vnni() ? 512 : cpu_supports_avx2() ? 256 : 0;
+  return isa;
+}
+
+// fp32 -> bf16 as c10::BFloat16 rounds (nearest even on the bits; NaN -> 0x7FC0).
+inline uint16_t bf16_round(float v) {
+  uint32_t b;
+  std::memcpy(&b, &v, sizeof(b));
+  if (std::isnan(v)) return 0x7FC0;
+  return static_cast<uint16_t>((b + 0x7FFF + ((b >> 16) & 1)) >> 16);
 }
 
 // ---- int4 -------------------------------------------------------------------------------
@@ -161,6 +188,12 @@ VS_AVX512 void int4_rows(const uint8_t* w, const uint32_t* sz, const uint16_t* x
 
 // ---- int4 x 8-bit activations (q8) -------------------------------------------------------
 
+// Byte shuffles (per 16-byte lane) of a group's 32 activation codes: as they are, or in the int4
+// weights' chunk order (k = 0, 4, 1, 5, 2, 6, 3, 7 per 8).
+alignas(32) const uint8_t code_order[2][32] = {
+    {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15},
+    {0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15, 0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15}};
+
 // Each row's activations in groups of 32, as llama.cpp's Q8_0: codes round(x * 127 / max|x|) (for
 // int4 weights in their chunk order, k = 0, 4, 1, 5, 2, 6, 3, 7 per 8; else in order), the group's
 // scale max|x| / 127, -bias times the codes' sum (the weights' unsigned offset, 8 for int4 codes and
@@ -170,10 +203,7 @@ VS_AVX512 void quantize_groups(const uint16_t* x, int64_t rows, int64_t k, bool 
                                float* xscale, int32_t* offset, float* xsum) {
   const int64_t groups = k / GS;
   const __m512 abs_mask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
-  const __m256i order = int4_order ? _mm256_setr_epi8(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15,
-                                                      0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15)
-                                   : _mm256_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15,
-                                                      0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m256i order = _mm256_load_si256(reinterpret_cast<const __m256i*>(code_order[int4_order]));
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t g = 0; g < groups; ++g) {
       const uint16_t* p = x + r * k + g * GS;
@@ -243,6 +273,9 @@ VS_AVX512_VNNI inline void q8_block(const uint8_t* __restrict w, const uint32_t*
   for (int m = 0; m < M; ++m) _mm512_storeu_ps(out + m * BN, y[m]);
 }
 
+VS_AVX2 void quantize_groups_avx2(const uint16_t* x, int64_t rows, int64_t k, bool int4_order, int32_t bias,
+                                  int8_t* xq, float* xscale, int32_t* offset, float* xsum);
+
 // A call's activations as quantize_groups leaves them (empty where a call runs without q8).
 struct Q8Activations {
   std::vector<int8_t> xq;
@@ -252,7 +285,8 @@ struct Q8Activations {
   Q8Activations() = default;
   Q8Activations(const uint16_t* x, int64_t rows, int64_t k, bool int4_order, int32_t bias)
       : xq(rows * k), xscale(rows * (k / GS)), xsum(rows * (k / GS)), offset(rows * (k / GS)) {
-    quantize_groups(x, rows, k, int4_order, bias, xq.data(), xscale.data(), offset.data(), xsum.data());
+    (q8_isa() == 512 ? quantize_groups : quantize_groups_avx2)(x, rows, k, int4_order, bias, xq.data(),
+                                                               xscale.data(), offset.data(), xsum.data());
   }
 };
 
@@ -501,6 +535,12 @@ void check_cpu() {
   TORCH_CHECK(ok, "verispec kernels: this CPU lacks AVX-512 BF16");
 }
 
+// int4_mm / int8_mm: q8 runs on AVX-512 VNNI or AVX2 CPUs, the bf16-activation path needs AVX-512 BF16.
+void check_q8_cpu(bool q8) {
+  if (!q8) return check_cpu();
+  TORCH_CHECK(q8_isa() != 0, "verispec kernels: 8-bit activations need AVX-512 VNNI or AVX2, which this CPU lacks");
+}
+
 void set_epilogue_out(Epilogue& e, const torch::Tensor& y, const c10::optional<torch::Tensor>& bias) {
   e.y = y.data_ptr();
   e.out_bf16 = y.scalar_type() == torch::kBFloat16;
@@ -513,15 +553,240 @@ void set_epilogue_out(Epilogue& e, const torch::Tensor& y, const c10::optional<t
   }
 }
 
+// ---- AVX2: int4 / int8 x 8-bit activations on CPUs without AVX-512 BF16 ---------------------------
+//
+// The same layouts, activations and arithmetic as the q8 kernels above, 8 output rows per ymm: a
+// 64-byte chunk is two ymm, rows 0..7 and 8..15. vpmaddubsw (unsigned codes x signed activations,
+// pairs summed to int16) and vpmaddwd by ones stand in for vpdpbusd. Integer sums are exact, and the
+// fp32 steps (quantization, group sums, scale and zero FMAs) are those of the AVX-512 kernels in the
+// same order, so both give the same fp32 sums for the same inputs.
+
+// An empty asm that takes and gives back v in a register: integer adds are associative, and without it
+// GCC regroups a group's accumulation into a tree of partial products, each spilled to the stack.
+VS_AVX2 inline void keep_in_register(__m256i& v) { asm("" : "+x"(v)); }
+
+// 8 bf16 values as fp32.
+VS_AVX2 inline __m256 bf16x8(const uint16_t* p) {
+  return _mm256_castsi256_ps(
+      _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+
+// quantize_groups for AVX2 CPUs: the same codes, scales, offsets and sums, bit for bit (the fp32 sum
+// of 32 values follows _mm512_reduce_add_ps: x[i] + x[i + 16], then halves added down to one).
+VS_AVX2 void quantize_groups_avx2(const uint16_t* x, int64_t rows, int64_t k, bool int4_order, int32_t bias,
+                                  int8_t* xq, float* xscale, int32_t* offset, float* xsum) {
+  const int64_t groups = k / GS;
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  const __m256i order = _mm256_load_si256(reinterpret_cast<const __m256i*>(code_order[int4_order]));
+  const __m256i dword_order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint16_t* p = x + r * k + g * GS;
+      const __m256 v0 = bf16x8(p), v1 = bf16x8(p + 8), v2 = bf16x8(p + 16), v3 = bf16x8(p + 24);
+      const __m256 m8 = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v0, abs_mask), _mm256_and_ps(v1, abs_mask)),
+                                      _mm256_max_ps(_mm256_and_ps(v2, abs_mask), _mm256_and_ps(v3, abs_mask)));
+      __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m8), _mm256_extractf128_ps(m8, 1));
+      m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+      const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+      const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+      const __m256i q0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, inv)), q1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, inv));
+      const __m256i q2 = _mm256_cvtps_epi32(_mm256_mul_ps(v2, inv)), q3 = _mm256_cvtps_epi32(_mm256_mul_ps(v3, inv));
+      // Saturating packs are exact (|code| <= 127); they interleave per 128-bit lane, dword_order undoes it.
+      const __m256i bytes = _mm256_permutevar8x32_epi32(
+          _mm256_packs_epi16(_mm256_packs_epi32(q0, q1), _mm256_packs_epi32(q2, q3)), dword_order);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + r * k + g * GS), _mm256_shuffle_epi8(bytes, order));
+      const int64_t i = r * groups + g;
+      xscale[i] = amax / 127.0f;
+      const __m256i qs = _mm256_add_epi32(_mm256_add_epi32(q0, q1), _mm256_add_epi32(q2, q3));
+      __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(qs), _mm256_extracti128_si256(qs, 1));
+      s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+      offset[i] = -bias * _mm_cvtsi128_si32(_mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1)));
+      const __m256 t3 = _mm256_add_ps(_mm256_add_ps(v1, v3), _mm256_add_ps(v0, v2));
+      const __m128 t6 = _mm_add_ps(_mm256_extractf128_ps(t3, 1), _mm256_castps256_ps128(t3));
+      const __m128 t8 = _mm_add_ps(t6, _mm_shuffle_ps(t6, t6, 0x4E));
+      xsum[i] = _mm_cvtss_f32(t8) + _mm_cvtss_f32(_mm_movehdup_ps(t8));
+    }
+  }
+}
+
+// One 16-row int4 block against MC rows of quantized x, as q8_block: per group the 8 vpmaddubsw of
+// a row add up in int16 (|sum| <= 8 * 2 * 15 * 127 < 2^15), one vpmaddwd widens them. The fp32 sums
+// stay in `out` ([MC][16], zeroed by the caller): sixteen ymm registers hold the integer ones only.
+template <int MC>
+VS_AVX2 inline void q8_block_avx2(const uint8_t* __restrict w, const uint32_t* __restrict sz,
+                                  const int8_t* __restrict xq, int64_t ldx, const float* __restrict xscale,
+                                  const int32_t* __restrict offset, const float* __restrict xsum, int64_t ldg,
+                                  int64_t groups, float* __restrict out) {
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256i a[MC][2];
+    for (int m = 0; m < MC; ++m) a[m][0] = a[m][1] = _mm256_setzero_si256();
+    const uint8_t* wg = w + g * 256;
+    _mm_prefetch(reinterpret_cast<const char*>(sz + g * 16) + PREFETCH / 4, _MM_HINT_T0);
+    // Half by half (rows 0..7, then 8..15), so that the live registers are the 2 * MC accumulators,
+    // one half's codes and one row's activations: more would spill.
+    for (int c = 0; c < 4; ++c) {
+      _mm_prefetch(reinterpret_cast<const char*>(wg + c * 64 + PREFETCH), _MM_HINT_T0);
+#pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h) {
+        const __m256i d = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + c * 64 + h * 32));
+        const __m256i lo = _mm256_and_si256(d, nibble);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(d, 4), nibble);
+#pragma GCC unroll 4
+        for (int m = 0; m < MC; ++m) {
+          const int32_t* xp = reinterpret_cast<const int32_t*>(xq + m * ldx + g * GS + c * 8);
+          a[m][h] = _mm256_add_epi16(a[m][h], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(xp[0])));
+          a[m][h] = _mm256_add_epi16(a[m][h], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xp[1])));
+          keep_in_register(a[m][h]);
+        }
+      }
+    }
+    const __m256i ones = _mm256_set1_epi16(1);
+    const __m256i hi_mask = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      const __m256i s2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sz + g * 16 + h * 8));
+      const __m256 sc = _mm256_castsi256_ps(_mm256_slli_epi32(s2, 16));
+      const __m256 zr = _mm256_castsi256_ps(_mm256_and_si256(s2, hi_mask));
+#pragma GCC unroll 4
+      for (int m = 0; m < MC; ++m) {
+        const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(a[m][h], ones), _mm256_set1_epi32(offset[m * ldg + g]));
+        const __m256 s = _mm256_mul_ps(sc, _mm256_set1_ps(xscale[m * ldg + g]));
+        float* y = out + m * BN + h * 8;
+        __m256 v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), s, _mm256_loadu_ps(y));
+        _mm256_storeu_ps(y, _mm256_fmadd_ps(_mm256_set1_ps(xsum[m * ldg + g]), zr, v));
+      }
+    }
+  }
+}
+
+// One 16-row int8 block against MC rows: a 64-byte line (pairs p, p + 1 of 16 rows) unpacks by words
+// into rows {0-3, 8-11} and {4-7, 12-15}, four consecutive k per dword; signed x signed products go
+// through vpmaddubsw as |q| times x with q's sign (|pair sum| <= 2 * 128 * 127 < 2^15). fp32 sums in
+// `out` as for int4, in that row order (the caller's finish puts rows back in order).
+template <int MC>
+VS_AVX2 inline void q8_int8_block_avx2(const int8_t* __restrict w, const int8_t* __restrict xq, int64_t ldx,
+                                       const float* __restrict xscale, int64_t ldg, int64_t groups,
+                                       float* __restrict out) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256i a[MC][2];
+    for (int m = 0; m < MC; ++m) a[m][0] = a[m][1] = _mm256_setzero_si256();
+    const int8_t* wg = w + g * 512;
+    for (int l = 0; l < 8; ++l) {
+      _mm_prefetch(reinterpret_cast<const char*>(wg + l * 64 + PREFETCH), _MM_HINT_T0);
+      const __m256i p0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + l * 64));
+      const __m256i p1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + l * 64 + 32));
+#pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h) {
+        const __m256i t = h == 0 ? _mm256_unpacklo_epi16(p0, p1) : _mm256_unpackhi_epi16(p0, p1);
+        const __m256i u = _mm256_abs_epi8(t);
+#pragma GCC unroll 4
+        for (int m = 0; m < MC; ++m) {
+          const __m256i xv = _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(xq + m * ldx + g * GS + l * 4));
+          a[m][h] = _mm256_add_epi32(a[m][h], _mm256_madd_epi16(_mm256_maddubs_epi16(u, _mm256_sign_epi8(xv, t)), ones));
+          keep_in_register(a[m][h]);
+        }
+      }
+    }
+#pragma GCC unroll 4
+    for (int m = 0; m < MC; ++m)
+      for (int h = 0; h < 2; ++h) {
+        float* y = out + m * BN + h * 8;
+        _mm256_storeu_ps(y, _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[m][h]), _mm256_set1_ps(xscale[m * ldg + g]),
+                                            _mm256_loadu_ps(y)));
+      }
+  }
+}
+
+// All rows of a call against one block, QB rows per pass.
+constexpr int QB = 4;
+
+VS_AVX2 void q8_rows_avx2(const uint8_t* w, const uint32_t* sz, const Q8Activations& x, int64_t k, int64_t rows,
+                          float* out) {
+  const int64_t groups = k / GS;
+  std::fill(out, out + rows * BN, 0.0f);
+  for (int64_t m0 = 0; m0 < rows; m0 += QB) {
+    const int64_t o = m0 * groups;
+    const int8_t* xm = x.xq.data() + m0 * k;
+    const float *xs = x.xscale.data() + o, *xt = x.xsum.data() + o;
+    const int32_t* off = x.offset.data() + o;
+    float* po = out + m0 * BN;
+    switch (std::min<int64_t>(QB, rows - m0)) {
+      case 1: q8_block_avx2<1>(w, sz, xm, k, xs, off, xt, groups, groups, po); break;
+      case 2: q8_block_avx2<2>(w, sz, xm, k, xs, off, xt, groups, groups, po); break;
+      case 3: q8_block_avx2<3>(w, sz, xm, k, xs, off, xt, groups, groups, po); break;
+      default: q8_block_avx2<4>(w, sz, xm, k, xs, off, xt, groups, groups, po); break;
+    }
+  }
+}
+
+VS_AVX2 void q8_int8_rows_avx2(const int8_t* w, const Q8Activations& x, int64_t k, int64_t rows, float* out) {
+  const int64_t groups = k / GS;
+  std::fill(out, out + rows * BN, 0.0f);
+  for (int64_t m0 = 0; m0 < rows; m0 += QB) {
+    const int64_t o = m0 * groups;
+    const int8_t* xm = x.xq.data() + m0 * k;
+    const float* xs = x.xscale.data() + o;
+    float* po = out + m0 * BN;
+    switch (std::min<int64_t>(QB, rows - m0)) {
+      case 1: q8_int8_block_avx2<1>(w, xm, k, xs, groups, groups, po); break;
+      case 2: q8_int8_block_avx2<2>(w, xm, k, xs, groups, groups, po); break;
+      case 3: q8_int8_block_avx2<3>(w, xm, k, xs, groups, groups, po); break;
+      default: q8_int8_block_avx2<4>(w, xm, k, xs, groups, groups, po); break;
+    }
+  }
+  // Rows {0-3, 8-11} | {4-7, 12-15} back to 0..7 | 8..15.
+  for (int64_t m = 0; m < rows; ++m) {
+    const __m256 a = _mm256_loadu_ps(out + m * BN), b = _mm256_loadu_ps(out + m * BN + 8);
+    _mm256_storeu_ps(out + m * BN, _mm256_permute2f128_ps(a, b, 0x20));
+    _mm256_storeu_ps(out + m * BN + 8, _mm256_permute2f128_ps(a, b, 0x31));
+  }
+}
+
+// Element j of an fp32 or bf16 array, as fp32.
+inline float value_at(const void* p, bool bf16, int64_t j) {
+  if (!bf16) return static_cast<const float*>(p)[j];
+  const uint32_t bits = static_cast<uint32_t>(static_cast<const uint16_t*>(p)[j]) << 16;
+  float v;
+  std::memcpy(&v, &bits, sizeof(v));
+  return v;
+}
+
+// finish_block for AVX2 CPUs (q8 calls: one split): row scale, bias, then fp32 or bf16 rounded as
+// c10::BFloat16 rounds (nearest even, NaN -> 0x7FC0).
+VS_AVX2 void finish_block_avx2(const Epilogue& e, const float* acc, int64_t n0) {
+  const int valid = static_cast<int>(std::min<int64_t>(BN, e.n - n0));
+  alignas(32) float scale[BN], bias[BN], v[BN];
+  for (int i = 0; i < BN; ++i) {
+    const int64_t j = n0 + std::min(i, valid - 1);
+    scale[i] = e.scale ? value_at(e.scale, e.scale_bf16, j) : 1.0f;
+    bias[i] = e.bias ? value_at(e.bias, e.bias_bf16, j) : 0.0f;
+  }
+  for (int64_t m = 0; m < e.rows; ++m) {
+    for (int h = 0; h < 2; ++h) {
+      __m256 t = _mm256_loadu_ps(acc + m * BN + 8 * h);
+      if (e.scale) t = _mm256_mul_ps(t, _mm256_load_ps(scale + 8 * h));
+      if (e.bias) t = _mm256_add_ps(t, _mm256_load_ps(bias + 8 * h));
+      _mm256_store_ps(v + 8 * h, t);
+    }
+    char* dst = static_cast<char*>(e.y) + (m * e.ldy + n0) * (e.out_bf16 ? 2 : 4);
+    if (e.out_bf16) {
+      uint16_t* d = reinterpret_cast<uint16_t*>(dst);
+      for (int i = 0; i < valid; ++i) d[i] = bf16_round(v[i]);
+    } else {
+      std::memcpy(dst, v, valid * sizeof(float));
+    }
+  }
+}
+
 // ---- entry points ------------------------------------------------------------------------------
 
 // x: bf16 [M, K]; w: int4 layout above; sz: bf16 [N/16, K/32, 16, 2]. Returns [M, N] (fp32 or bf16).
-// q8: x's rows quantized to 8 bits per group of 32 (AVX-512 VNNI), else x as bf16.
+// q8: x's rows quantized to 8 bits per group of 32 (AVX-512 VNNI or AVX2), else x as bf16.
 torch::Tensor int4_mm(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& sz, int64_t n,
                       const c10::optional<torch::Tensor>& bias, bool out_fp32, bool q8) {
-  check_cpu();
-  static const bool vnni = cpu_supports_vnni();
-  TORCH_CHECK(!q8 || vnni, "verispec kernels: 8-bit activations need AVX-512 VNNI, which this CPU lacks");
+  check_q8_cpu(q8);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.is_contiguous(), "x: contiguous bf16 [M, K]");
   const int64_t m = x.size(0), k = x.size(1);
   TORCH_CHECK(k % GS == 0 && n % BN == 0, "int4_mm: K % 32 == 0 and N % 16 == 0 required");
@@ -541,15 +806,18 @@ torch::Tensor int4_mm(const torch::Tensor& x, const torch::Tensor& w, const torc
   set_epilogue_out(e, y, bias);
   const auto* wp = w.data_ptr<uint8_t>();
   const auto* szp = reinterpret_cast<const uint32_t*>(sz.data_ptr());
+  const bool wide = !q8 || q8_isa() == 512;  // AVX-512 kernels, else the AVX2 ones
   at::parallel_for(0, blocks, grain_for(k * BN / 2), [&](int64_t b0, int64_t b1) {
     std::vector<float> acc(m * BN);
     for (int64_t b = b0; b < b1; ++b) {
-      if (q8) {
+      if (!q8) {
+        int4_rows(wp + b * (k * BN / 2), szp + b * groups * BN, xp, k, xs.data(), m, acc.data());
+      } else if (wide) {
         q8_rows(wp + b * (k * BN / 2), szp + b * groups * BN, qx, k, m, acc.data());
       } else {
-        int4_rows(wp + b * (k * BN / 2), szp + b * groups * BN, xp, k, xs.data(), m, acc.data());
+        q8_rows_avx2(wp + b * (k * BN / 2), szp + b * groups * BN, qx, k, m, acc.data());
       }
-      finish_block(e, acc.data(), b * BN);
+      (wide ? finish_block : finish_block_avx2)(e, acc.data(), b * BN);
     }
   });
   return y;
@@ -573,9 +841,7 @@ void pair_mm(const Epilogue& e, const typename Tiles::W* wp, const uint16_t* xp,
 // w: int8 layout above, [ceil(N/16), K/2, 16, 2]; scale: [N] fp32/bf16. Returns [M, N].
 torch::Tensor int8_mm(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scale, int64_t n,
                       int64_t splits, const c10::optional<torch::Tensor>& bias, bool out_fp32, bool q8) {
-  check_cpu();
-  static const bool vnni = cpu_supports_vnni();
-  TORCH_CHECK(!q8 || vnni, "verispec kernels: 8-bit activations need AVX-512 VNNI, which this CPU lacks");
+  check_q8_cpu(q8);
   TORCH_CHECK(!q8 || (splits == 1 && x.size(1) % GS == 0), "int8_mm: q8 needs bf16 x (splits 1) and K % 32 == 0");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.is_contiguous(), "x: contiguous bf16 [M, K]");
   TORCH_CHECK(splits >= 1 && x.size(0) % splits == 0, "int8_mm: rows not a multiple of splits");
@@ -602,11 +868,17 @@ torch::Tensor int8_mm(const torch::Tensor& x, const torch::Tensor& w, const torc
     return y;
   }
   const Q8Activations qx(xp, m, k, false, 128);
+  const bool wide = q8_isa() == 512;
   at::parallel_for(0, blocks, grain_for(k * BN), [&](int64_t b0, int64_t b1) {
     std::vector<float> acc(m * BN);
     for (int64_t b = b0; b < b1; ++b) {
-      q8_int8_rows(wp + b * k * BN, qx, k, m, acc.data());
-      finish_block(e, acc.data(), b * BN);
+      if (wide) {
+        q8_int8_rows(wp + b * k * BN, qx, k, m, acc.data());
+        finish_block(e, acc.data(), b * BN);
+      } else {
+        q8_int8_rows_avx2(wp + b * k * BN, qx, k, m, acc.data());
+        finish_block_avx2(e, acc.data(), b * BN);
+      }
     }
   });
   return y;
@@ -914,13 +1186,6 @@ VS_AVX512 inline __m512i bf16_high(__m512 v) {
   return _mm512_and_si512(r, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)));
 }
 
-inline uint16_t bf16_round(float v) {
-  uint32_t b;
-  std::memcpy(&b, &v, sizeof(b));
-  if (std::isnan(v)) return 0x7FC0;
-  return static_cast<uint16_t>((b + 0x7FFF + ((b >> 16) & 1)) >> 16);
-}
-
 // Two fp32 vectors of 16 -> one of 32 bf16: word 2i from even[i], word 2i + 1 from odd[i] (a pair tile).
 VS_AVX512 inline __m512i bf16_pairs(__m512 even, __m512 odd) {
   return _mm512_or_si512(_mm512_srli_epi32(bf16_high(even), 16), bf16_high(odd));
@@ -1110,6 +1375,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "verispec weight-only int4/int8 and bf16 GEMM for small M (AVX-512 BF16)";
   m.def("cpu_supported", &cpu_supported, "whether this CPU runs the kernels (AVX-512 F/BW/VL/DQ/BF16)");
   m.def("cpu_supports_vnni", &cpu_supports_vnni, "whether this CPU also runs 8-bit activations (AVX-512 VNNI)");
+  m.def("q8_isa", &q8_isa, "the kernels for 8-bit activations here: 512 (AVX-512 VNNI), 256 (AVX2) or 0");
   m.def("int4_mm", &int4_mm, "y = x @ dequant(w).T", py::arg("x"), py::arg("w"), py::arg("sz"), py::arg("n"),
         py::arg("bias") = py::none(), py::arg("out_fp32") = false, py::arg("q8") = false);
   m.def("int8_mm", &int8_mm, "y = x @ (q * scale).T", py::arg("x"), py::arg("w"), py::arg("scale"), py::arg("n"),

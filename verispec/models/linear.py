@@ -99,7 +99,7 @@ def large_m(x: torch.Tensor) -> bool:
     (their exactness matters more than prefill speed there).
     """
     return (x.dtype == torch.bfloat16 and x.dim() >= 3 and x.shape[-2] >= PREFILL_M and x.device.type == "cpu"
-            and not torch.compiler.is_compiling())
+            and not torch.compiler.is_compiling() and fast_kernels.available())
 
 
 def small_m_call(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -238,7 +238,7 @@ class Int8Weight:
         if layout != "vs16":
             raise VerispecError(f"unknown int8 layout '{layout}'")
         n, k = self.shape
-        if fast_kernels.available():
+        if fast_kernels.layouts_available():
             return Int8Weight(fast_kernels.int8_pack(self.qweight), self.scale, "vs16")
         padded = torch.zeros(-(-n // 16) * 16, k, dtype=torch.int8)
         padded[:n] = self.qweight
@@ -270,10 +270,13 @@ class Int8Linear(nn.Module):
         self.scratch: WeightScratch | None = None  # the model's, set by Transformer.from_state_dict
         q = weight if isinstance(weight, Int8Weight) else Int8Weight.quantize(weight, dtype)
         self.out_features, self.in_features = q.shape
-        self.fast = (fast_kernels.use_fast(kernels) and q.qweight.device.type == "cpu"
+        fast, q8 = fast_kernels.quantized_path(kernels)
+        # 8-bit activations (see verispec.kernels.int8_mm) need K in whole groups of 32; where they are
+        # the only kernels this CPU runs, other K keep PyTorch's.
+        q8 = q8 and self.in_features % 32 == 0
+        self.fast = (fast and (q8 or fast_kernels.available()) and q.qweight.device.type == "cpu"
                      and self.in_features % 2 == 0 and dtype in (torch.float32, torch.bfloat16))
-        # 8-bit activations (see verispec.kernels.int8_mm) where K is whole groups of 32.
-        self.q8 = self.fast and kernels == "q8" and self.in_features % 32 == 0
+        self.q8 = self.fast and q8
         q = q.to_layout("vs16" if self.fast else "rows")
         self.register_buffer("qweight", q.qweight)
         self.register_buffer("scale", q.scale.to(dtype))
@@ -478,7 +481,7 @@ class Int4Weight:
     def codes(self) -> torch.Tensor:
         n, k = self.shape
         if self.layout == "vs16":
-            if fast_kernels.available():
+            if fast_kernels.layouts_available():
                 return fast_kernels.int4_unpack(self.packed, n, k)
             return _vs16_unpack_reference(self.packed, n, k)
         return _unpack_cpu(self.packed, n, k)
@@ -502,7 +505,7 @@ class Int4Weight:
             raise VerispecError(f"cannot hold an int4 weight (group {self.group_size}) in layout '{layout}'")
         sz = self.scales_and_zeros.view(k // 32, n // 16, 16, 2).permute(1, 0, 2, 3).contiguous()
         bn = _cpu_block_n()
-        if not fast_kernels.available():
+        if not fast_kernels.layouts_available():
             packed = _vs16_pack_reference(self.codes())
         elif n % bn == 0:  # straight from PyTorch's whole blocks (all real models)
             packed = fast_kernels.int4_from_stock(self.packed, n, k, _cpu_block_layout(bn))
@@ -549,9 +552,9 @@ class Int4Linear(nn.Module):
         self.scratch: WeightScratch | None = None  # the model's, set by Transformer.from_state_dict
         self.out_features, self.in_features = weight.shape
         self.group_size = weight.group_size
-        self.fast = (fast_kernels.use_fast(kernels) and weight.packed.device.type == "cpu"
-                     and self.group_size == 32)
-        self.q8 = self.fast and kernels == "q8"  # 8-bit activations (see verispec.kernels.int4_mm)
+        fast, q8 = fast_kernels.quantized_path(kernels)
+        self.fast = fast and weight.packed.device.type == "cpu" and self.group_size == 32
+        self.q8 = self.fast and q8  # 8-bit activations (see verispec.kernels.int4_mm)
         weight = weight.to_layout("vs16" if self.fast else "cpu")
         self.register_buffer("qweight", weight.packed)
         self.register_buffer("scales_and_zeros", weight.scales_and_zeros)

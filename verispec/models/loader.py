@@ -419,7 +419,7 @@ def build_model(src: ModelSource, dtype: torch.dtype, weight_format: str = "dens
     int4 = weight_format in ("int4", "int4-all") and src._get_int4 is not None
     keep_int8 = weight_format == "int4"
     if cache and int4:
-        layout = "vs16" if fast_kernels.use_fast(kernels) else "cpu"  # what the layers will hold
+        layout = "vs16" if fast_kernels.quantized_path(kernels)[0] else "cpu"  # what the layers will hold
         src = converted_int4(src, dtype, progress, layout, keep_int8)
     elif cache:
         src = converted(src, dtype, progress)
