@@ -25,7 +25,7 @@ import torch
 
 from verispec import Engine, SamplingParams
 from verispec.bench.hardware import machine
-from verispec.kernels import KERNEL_CHOICES, q8_available, quantized_path
+from verispec.kernels import KERNEL_CHOICES, available, q8_available, quantized_label
 from verispec.models.linear import WEIGHT_FORMATS
 
 PROMPT = "Write a Python function that returns the n-th prime number, with a docstring and tests."
@@ -89,14 +89,19 @@ def main() -> None:
     if "q8" in kernels and not q8_available():
         print("no q8 rows: 8-bit activations need verispec's kernels and AVX-512 VNNI or AVX2")
         kernels.remove("q8")
-    if {"auto", "q8"} <= set(kernels) and quantized_path("auto")[1]:
-        print("no separate q8 rows: auto runs the int4/int8 layers on 8-bit activations on this CPU (AVX2)")
-        kernels.remove("q8")
     if args.threads:
         torch.set_num_threads(args.threads)  # on a shared CPU, fewer threads than cores time far steadier
 
+    # One row per format and the matmuls it actually runs here: dense layers ignore q8, and where the
+    # CPU lacks AVX-512 BF16 auto is PyTorch's F.linear for dense and q8 for int4/int8 (AVX2).
+    runs: dict[tuple[str, str], str] = {}
+    for f in args.formats.split(","):
+        for kern in kernels:
+            path = ("verispec" if kern != "stock" and available() else "stock") if f == "dense" else \
+                quantized_label(kern)
+            runs.setdefault((f, path), kern)
     rows = [measure(args.model, f, kern, args.dtype, args.m_max, args.reps, args.decode_tokens)
-            for f in args.formats.split(",") for kern in kernels if kern != "q8" or f != "dense"]
+            for (f, _), kern in runs.items()]
     info = machine()
     title = (f"{args.model} ({args.dtype}, {args.kernels} kernels) · {info['cpu']}, {info['threads']} threads"
              f" · {info['date']}")

@@ -30,10 +30,11 @@ from verispec import kernels
 from verispec.models.llama import SMALL_M, RMSNorm, Transformer, apply_rope, rope_tables, small_m_attention
 from verispec.models.loader import build_model, open_source
 
-pytestmark = pytest.mark.skipif(not kernels.available(),
+pytestmark = pytest.mark.skipif(not kernels.small_ops_dtypes(),
                                 reason=f"verispec kernels unavailable: {kernels.why_unavailable()}")
 
-DTYPES = [torch.float32, torch.bfloat16]
+# fp32 and bf16 on AVX-512 BF16 CPUs, fp32 on AVX2 ones (their AVX2 implementation).
+DTYPES = list(kernels.small_ops_dtypes())
 BF16_2ULP = 2.0 ** -6
 BF16_ULP = 2.0 ** -7
 
@@ -76,10 +77,11 @@ def test_add_rms_norm_adds_in_place_then_normalises(dtype, d):
         close(y, RMSNorm(w, 1e-5)(summed), rel_tol(dtype))
 
 
-def test_rms_norm_rows_are_independent():
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_rows_are_independent(dtype):
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(40, 896, generator=g).to(torch.bfloat16)
-    w = torch.randn(896, generator=g).to(torch.bfloat16)
+    x = torch.randn(40, 896, generator=g).to(dtype)
+    w = torch.randn(896, generator=g).to(dtype)
     whole = kernels.rms_norm(x, w, 1e-6)
     assert torch.equal(torch.cat([kernels.rms_norm(x[i:i + 1], w, 1e-6) for i in range(40)]), whole)
 
@@ -279,7 +281,8 @@ def test_attend_prefill_matches_and_splits_without_changing_bits(dtype):
 
 
 def test_attend_applies_to_multiples_of_16_only():
-    assert kernels.attend_applies(64, torch.bfloat16) and kernels.attend_applies(256, torch.float32)
+    assert kernels.attend_applies(64, DTYPES[-1]) and kernels.attend_applies(256, torch.float32)
+    assert kernels.attend_applies(64, torch.bfloat16) == kernels.available()  # bf16: AVX-512 BF16 only
     assert not kernels.attend_applies(24, torch.float32)
     assert not kernels.attend_applies(272, torch.float32)
     assert not kernels.attend_applies(64, torch.float16)
@@ -444,11 +447,17 @@ def test_fused_greedy_tokens_match_the_python_path(tiny_folders, name):
         assert tokens == greedy(model, False, prompt, 24)
 
 
+# bf16 with the fast dense kernels (AVX-512 BF16), and fp32 with int4 weights (every CPU with the kernels).
+VERIFY_CASES = [(torch.float32, "int4")] + ([(torch.bfloat16, "dense")] if torch.bfloat16 in DTYPES else [])
+
+
+@pytest.mark.parametrize("dtype,weights", VERIFY_CASES, ids=[f"{str(d)[6:]}-{w}" for d, w in VERIFY_CASES])
 @pytest.mark.parametrize("name", ["qwen2_hd16", "llama_hd64_gqa7"])
-def test_bf16_verification_equals_decoding_bit_for_bit(tiny_folders, name):
-    # bf16 with the fast dense kernels: every op of the step is row- and M-independent, so logits of
-    # a token verified with others equal those of decoding it alone, in a batch or not.
-    model = build_model(open_source(tiny_folders[name]), torch.bfloat16, progress=False)
+def test_verification_equals_decoding_bit_for_bit(tiny_folders, name, dtype, weights):
+    # Every op of the step is row- and M-independent, so logits of a token verified with others equal
+    # those of decoding it alone, in a batch or not.
+    model = build_model(open_source(tiny_folders[name]), dtype, weights, progress=False)
+    assert model.fused_ops
     g = torch.Generator().manual_seed(1)
     vocab = model.args.vocab_size
     prompt = torch.randint(0, vocab, (2, 30), generator=g)

@@ -87,8 +87,8 @@ def tree_and_paths(model, fused: bool):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_fused_tree_nodes_equal_their_root_paths_bit_for_bit(qwen2_tiny, llama_tiny, dtype):
-    if not fast_kernels.use_fast("auto"):
-        pytest.skip("this CPU does not run verispec's fused kernels")
+    if dtype not in fast_kernels.small_ops_dtypes():
+        pytest.skip(f"this CPU does not run verispec's fused kernels in {dtype}")
     for tiny in (qwen2_tiny, llama_tiny):  # GQA 4:2 with q/k/v biases; 4:1
         model = build_model(open_source(tiny.folder), dtype, progress=False)
         assert model.fused_ops
@@ -105,7 +105,7 @@ def test_python_path_tree_nodes_match_their_root_paths(qwen2_tiny):
 
 
 def test_attend_refuses_malformed_trees():
-    if not fast_kernels.use_fast("auto"):
+    if not fast_kernels.small_ops_dtypes():
         pytest.skip("this CPU does not run verispec's fused kernels")
     b, m, h, kv, d = 1, 3, 2, 1, 16
     qkv = torch.randn(b, m, (h + 2 * kv) * d)

@@ -21,7 +21,8 @@ The C++ extension is compiled once with ``torch.utils.cpp_extension`` (g++ and n
 from there afterwards. Every AVX-512 or AVX2 function has a target attribute, so the library itself
 loads on any x86-64 CPU; :func:`available` is true only when it built and the CPU has
 AVX-512 F/BW/VL/DQ/BF16. A CPU with AVX2 but without those runs the int4/int8 matmuls on 8-bit
-activations (:func:`q8_available`, :func:`quantized_path`) and PyTorch's ops for the rest; without
+activations (:func:`q8_available`, :func:`quantized_path`), the fused small ops in fp32
+(:func:`small_ops_dtypes`) and PyTorch's ops for the rest; without
 AVX2 one warning is logged and the layers keep PyTorch's stock kernels.
 ``VERISPEC_KERNELS=stock`` in the environment forces the stock kernels everywhere.
 """
@@ -160,8 +161,8 @@ def extension(verbose: bool = False) -> ModuleType | None:
             if ext is None and why != "VERISPEC_KERNELS=stock":
                 logger.warning("verispec int4/int8/bf16 kernels unavailable (%s); using PyTorch's stock kernels", why)
             elif ext is not None and why:
-                logger.info("verispec kernels: %s, so int4/int8 layers run the AVX2 kernels with 8-bit activations "
-                            "and everything else PyTorch's", why)
+                logger.info("verispec kernels: %s, so int4/int8 layers run the AVX2 kernels with 8-bit activations, "
+                            "fp32 models the AVX2 fused small ops, and everything else PyTorch's", why)
             _EXT = ext
         return _state["ext"]
 
@@ -348,10 +349,26 @@ def bf16_mm(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | 
 ATTEND_MAX_HEAD_DIM = 256
 
 
+def small_ops_dtypes() -> tuple[torch.dtype, ...]:
+    """The dtypes the fused small ops take here: fp32 and bf16 with AVX-512 BF16, fp32 alone with AVX2
+    (such CPUs run fp32 models), none without the kernels."""
+    if available():
+        return torch.float32, torch.bfloat16
+    return (torch.float32,) if extension() is not None else ()
+
+
+def use_small_ops(kernels: str) -> bool:
+    """Whether a model built with ``kernels`` runs its norms, attention and silu * up through the fused
+    small ops (in the dtypes of :func:`small_ops_dtypes`): everywhere but ``stock`` where they run."""
+    use_fast(kernels)  # validates the choice
+    return kernels != "stock" and bool(small_ops_dtypes())
+
+
 def attend_applies(head_dim: int, dtype: torch.dtype) -> bool:
     """Whether :func:`attend` (and the other fused ops) take a model with this head size and dtype:
-    fp32 or bf16, ``head_dim`` a multiple of 16 up to 256. Otherwise the model keeps its Python path."""
-    return dtype in (torch.float32, torch.bfloat16) and head_dim % 16 == 0 and 16 <= head_dim <= ATTEND_MAX_HEAD_DIM
+    one of :func:`small_ops_dtypes`, ``head_dim`` a multiple of 16 up to 256. Otherwise the model keeps
+    its Python path."""
+    return dtype in small_ops_dtypes() and head_dim % 16 == 0 and 16 <= head_dim <= ATTEND_MAX_HEAD_DIM
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -393,8 +410,9 @@ def attend(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: t
     """
     d = k_cache.shape[-1]
     if not attend_applies(d, qkv.dtype):
+        dtypes = " or ".join(str(t).removeprefix("torch.") for t in small_ops_dtypes()) or "no dtype on this CPU"
         raise ValueError(f"attend does not apply to head_dim {d} / {qkv.dtype} (needs a multiple of 16 up to "
-                         f"{ATTEND_MAX_HEAD_DIM}, fp32 or bf16)")
+                         f"{ATTEND_MAX_HEAD_DIM}, {dtypes})")
     return (_EXT or _ext()).attend(qkv, cos, sin, positions, k_cache, v_cache, kv_len, n_heads, n_kv_heads,
                                    ancestors)
 
@@ -407,8 +425,8 @@ def main() -> None:
     if available():
         print(f"verispec kernels: AVX-512 BF16 int4/int8/bf16 kernels ready ({build_dir()})")
     elif q8_available():
-        print(f"verispec kernels: AVX2 int4/int8 kernels with 8-bit activations ready ({build_dir()}); "
-              f"PyTorch's for the rest ({why_unavailable()})")
+        print(f"verispec kernels: AVX2 int4/int8 kernels with 8-bit activations and fp32 fused small ops ready "
+              f"({build_dir()}); PyTorch's for the rest ({why_unavailable()})")
     else:
         print(f"verispec kernels: using PyTorch's stock int4/int8/bf16 kernels ({why_unavailable()})")
         if _state.get("detail"):

@@ -57,6 +57,7 @@
 
 namespace VS_NS {
 bool cpu_runs_kernels();  // wo_gemm.cpp: the one definition of a CPU these kernels run on
+bool cpu_runs_avx2();    // wo_gemm.cpp: AVX2 and FMA
 }
 
 namespace {
@@ -65,9 +66,17 @@ namespace {
 
 using bf16_t = uint16_t;  // raw bf16 bits
 
-void check_cpu() {
+// Whether the AVX-512 ops run here (else the AVX2 ones, fp32 only; see the AVX2 section).
+bool wide() {
   static const bool ok = VS_NS::cpu_runs_kernels();
-  TORCH_CHECK(ok, "verispec kernels: this CPU lacks AVX-512 BF16");
+  return ok;
+}
+
+void check_cpu(const torch::Tensor& x) {
+  static const bool avx2 = VS_NS::cpu_runs_avx2();
+  TORCH_CHECK(wide() || avx2, "verispec kernels: this CPU lacks AVX2");
+  TORCH_CHECK(wide() || x.scalar_type() == torch::kFloat,
+              "verispec kernels: the fused small ops take bf16 only with AVX-512 BF16; this CPU runs them in fp32");
 }
 
 inline __mmask16 mask16(int64_t valid) {
@@ -105,20 +114,22 @@ VS_AVX512 inline __m512 rnd(__m512 v) {
   return round_to(v, static_cast<const T*>(nullptr));
 }
 
-// exp(x), Cephes' single-precision polynomial (about 1 ulp); +inf past ~88.72, and at least
-// ~1.2e-38 (not 0) below -87.3: callers either mask those lanes or only add 1 to them.
+// exp(x), Cephes' single-precision polynomial (about 1 ulp): x clamped to [EXP_MIN, EXP_MAX],
+// n = round(x log2 e), r = x - n ln 2 (ln 2 in two parts), exp(r) = 1 + r + r^2 P(r), times 2^n.
+// +inf past ~88.72, and at least ~1.2e-38 (not 0) below -87.3: callers either mask those lanes or
+// only add 1 to them.
+constexpr float EXP_MAX = 88.73f, EXP_MIN = -87.33f, LOG2E = 1.44269504088896341f;
+constexpr float LN2_HI = 0.693359375f, LN2_LO = -2.12194440e-4f;
+constexpr float EXP_POLY[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                               4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+
 VS_AVX512 inline __m512 exp512(__m512 x) {
-  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.73f)), _mm512_set1_ps(-87.33f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(EXP_MAX)), _mm512_set1_ps(EXP_MIN));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(LOG2E)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_LO), _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_HI), x));
+  __m512 p = _mm512_set1_ps(EXP_POLY[0]);
+  for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_POLY[i]));
   const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
   return _mm512_scalef_ps(y, n);
 }
@@ -564,24 +575,22 @@ VS_AVX512 void write_kv(const AttnShape& s, const T* qkv, const T* cos, const T*
   }
 }
 
-template <class T>
-void attend_impl(const AttnShape& s, const T* qkv, const T* cos, const T* sin, const int64_t* pos,
-                 const int64_t* anc, T* kc, T* vc, T* out) {
-  write_kv(s, qkv, cos, sin, pos, kc, vc);  // all of them before any query attends
-  // Attention per (row, KV head). Work ~ keys * queries * d (twice); below ~128K multiply-adds in
-  // all (a few microseconds), one thread does everything: a fork would cost more than it saves.
-  // Above, the tasks split over threads, which also pulls the (cold) cache rows in in parallel.
+// Runs group(b, kv, chunk, n_chunks) for every (row, KV head) pair, whose attention is `blocks`
+// blocks of queries. Work ~ keys * queries * d (twice); below ~128K multiply-adds in all (a few
+// microseconds), one thread does everything: a fork would cost more than it saves. Above, the tasks
+// split over threads, which also pulls the (cold) cache rows in in parallel. Fewer (row, KV head)
+// pairs than threads (a prefill of one row on a many-core CPU): each pair's query blocks are dealt
+// out round-robin over a few tasks, so that the causal work (later queries see more keys) spreads
+// evenly. Blocks are the same whatever the split, and so are the results.
+template <class Group>
+void for_groups(const AttnShape& s, const int64_t* pos, int64_t blocks, const Group& group) {
   int64_t work = 0;
   for (int64_t b = 0; b < s.b; ++b) {
     int64_t n = 0;
     for (int64_t i = 0; i < s.m; ++i) n = std::max(n, std::min(s.kv_len, pos[b * s.m + i] + 1));
     work += n * s.h * s.m * s.d * 2;
   }
-  // Fewer (row, KV head) pairs than threads (a prefill of one row on a many-core CPU): each pair's
-  // query blocks are dealt out round-robin over a few tasks, so that the causal work (later queries
-  // see more keys) spreads evenly. Blocks are the same whatever the split, and so are the results.
   const int64_t groups = s.b * s.kv;
-  const int64_t blocks = anc ? s.m * ((s.h / s.kv + QB - 1) / QB) : (s.h / s.kv * s.m + QB - 1) / QB;
   const int64_t threads = at::get_num_threads();
   const bool fork = work >= (1 << 17);
   const int64_t n_chunks = fork ? std::max<int64_t>(1, std::min(blocks, (threads + groups - 1) / groups)) : 1;
@@ -589,14 +598,290 @@ void attend_impl(const AttnShape& s, const T* qkv, const T* cos, const T* sin, c
   at::parallel_for(0, tasks, fork ? 1 : tasks, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t g = t / n_chunks;
-      if (anc)
-        attend_group<T, PathKeys>(s, qkv, cos, sin, pos, anc, kc, vc, out, g / s.kv, g % s.kv, t % n_chunks, n_chunks);
-      else
-        attend_group<T, Contiguous>(s, qkv, cos, sin, pos, anc, kc, vc, out, g / s.kv, g % s.kv, t % n_chunks,
-                                    n_chunks);
+      group(g / s.kv, g % s.kv, t % n_chunks, n_chunks);
     }
   });
 }
+
+template <class T>
+void attend_impl(const AttnShape& s, const T* qkv, const T* cos, const T* sin, const int64_t* pos,
+                 const int64_t* anc, T* kc, T* vc, T* out) {
+  write_kv(s, qkv, cos, sin, pos, kc, vc);  // all of them before any query attends
+  const int64_t blocks = anc ? s.m * ((s.h / s.kv + QB - 1) / QB) : (s.h / s.kv * s.m + QB - 1) / QB;
+  for_groups(s, pos, blocks, [&](int64_t b, int64_t kv, int64_t chunk, int64_t n_chunks) {
+    if (anc)
+      attend_group<T, PathKeys>(s, qkv, cos, sin, pos, anc, kc, vc, out, b, kv, chunk, n_chunks);
+    else
+      attend_group<T, Contiguous>(s, qkv, cos, sin, pos, anc, kc, vc, out, b, kv, chunk, n_chunks);
+  });
+}
+
+// ---- AVX2, fp32 ---------------------------------------------------------------------------------
+//
+// A CPU without AVX-512 BF16 runs fp32 models (dtype "auto"), so it gets the same ops for fp32
+// storage on 8 lanes, with the same roundings and the same invariants: a row's or query's arithmetic
+// never depends on the other rows or queries in the call nor on the threads. Attention is laid out
+// more simply than above: a block is up to four query heads of one token (they share the token's
+// keys), each score is one query's dot product with one key (8 lanes in order of d, then the lanes
+// summed in a fixed order), softmax runs over the keys in lanes of 8 (key j in lane j mod 8) and
+// P @ V accumulates each output value over the keys in order.
+
+#define VS_AVX2 __attribute__((target("avx2,fma")))
+
+namespace avx2 {
+
+VS_AVX2 inline __m256i lanes_below(int64_t valid) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::min<int64_t>(valid, 8))),
+                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+VS_AVX2 inline __m256 load(const float* p, int64_t valid) {
+  return valid >= 8 ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, lanes_below(valid));
+}
+VS_AVX2 inline void store(float* p, __m256 v, int64_t valid) {
+  if (valid >= 8)
+    _mm256_storeu_ps(p, v);
+  else
+    _mm256_maskstore_ps(p, lanes_below(valid), v);
+}
+// The product is rounded before any later add (no fused multiply-add), as PyTorch's ops round.
+VS_AVX2 inline __m256 rounded(__m256 v) {
+  __asm__("" : "+x"(v));
+  return v;
+}
+// The 8 lanes summed in a fixed order.
+VS_AVX2 inline float hsum(__m256 v) {
+  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
+}
+VS_AVX2 inline float hmax(__m256 v) {
+  const __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 m2 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  return _mm_cvtss_f32(_mm_max_ss(m2, _mm_movehdup_ps(m2)));
+}
+
+// exp512's polynomial on 8 lanes; 2^n is applied as two exact factors 2^(n/2) 2^(n - n/2), which
+// rounds as scalef does and reaches n = 128 (+inf past ~88.72).
+VS_AVX2 inline __m256 exp256(__m256 x) {
+  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(EXP_MAX)), _mm256_set1_ps(EXP_MIN));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(LOG2E)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_LO), _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_HI), x));
+  __m256 p = _mm256_set1_ps(EXP_POLY[0]);
+  for (int i = 1; i < 6; ++i) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_POLY[i]));
+  const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
+  const __m256i ni = _mm256_cvtps_epi32(n);
+  const __m256i n1 = _mm256_srai_epi32(ni, 1), n2 = _mm256_sub_epi32(ni, n1);
+  const __m256i bias = _mm256_set1_epi32(127);
+  const __m256 f1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, bias), 23));
+  const __m256 f2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, bias), 23));
+  return _mm256_mul_ps(_mm256_mul_ps(y, f1), f2);
+}
+
+VS_AVX2 inline float sum_squares(const float* x, int64_t d) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+  int64_t c = 0;
+  for (; c + 16 <= d; c += 16) {
+    const __m256 v0 = _mm256_loadu_ps(x + c), v1 = _mm256_loadu_ps(x + c + 8);
+    a0 = _mm256_fmadd_ps(v0, v0, a0);
+    a1 = _mm256_fmadd_ps(v1, v1, a1);
+  }
+  for (; c < d; c += 8) {
+    const __m256 v = load(x + c, d - c);
+    a0 = _mm256_fmadd_ps(v, v, a0);
+  }
+  return hsum(_mm256_add_ps(a0, a1));
+}
+
+VS_AVX2 void norm_row(const float* x, const float* w, int64_t d, float eps, float ss, float* y) {
+  const __m256 inv = _mm256_set1_ps(1.0f / std::sqrt(ss / static_cast<float>(d) + eps));
+  for (int64_t c = 0; c < d; c += 8) {
+    const __m256 v = rounded(_mm256_mul_ps(load(x + c, d - c), inv));
+    store(y + c, _mm256_mul_ps(v, load(w + c, d - c)), d - c);
+  }
+}
+
+VS_AVX2 void rms_norm_range(const float* x, const float* w, int64_t r0, int64_t r1, int64_t d, float eps, float* y) {
+  for (int64_t r = r0; r < r1; ++r) norm_row(x + r * d, w, d, eps, sum_squares(x + r * d, d), y + r * d);
+}
+
+VS_AVX2 void add_rms_norm_range(float* x, const float* delta, const float* w, int64_t r0, int64_t r1, int64_t d,
+                                float eps, float* y) {
+  for (int64_t r = r0; r < r1; ++r) {
+    float* xr = x + r * d;
+    const float* dr = delta + r * d;
+    for (int64_t c = 0; c < d; c += 8) store(xr + c, _mm256_add_ps(load(xr + c, d - c), load(dr + c, d - c)), d - c);
+    norm_row(xr, w, d, eps, sum_squares(xr, d), y + r * d);
+  }
+}
+
+VS_AVX2 void silu_mul_range(const float* gu, int64_t r0, int64_t r1, int64_t f, float* y) {
+  const __m256 one = _mm256_set1_ps(1.0f);
+  for (int64_t r = r0; r < r1; ++r) {
+    const float* g = gu + r * 2 * f;
+    const float* u = g + f;
+    for (int64_t c = 0; c < f; c += 8) {
+      const __m256 gv = load(g + c, f - c);
+      const __m256 s = rounded(_mm256_div_ps(gv, _mm256_add_ps(one, exp256(_mm256_sub_ps(_mm256_setzero_ps(), gv)))));
+      store(y + r * f + c, _mm256_mul_ps(s, load(u + c, f - c)), f - c);
+    }
+  }
+}
+
+VS_AVX2 void rope_head(const float* x, const float* cos, const float* sin, int64_t d, float* out) {
+  const int64_t half = d / 2;
+  for (int64_t c = 0; c < half; c += 8) {
+    const int64_t k = half - c;
+    const __m256 x1 = load(x + c, k), x2 = load(x + half + c, k);
+    const __m256 lo = _mm256_sub_ps(rounded(_mm256_mul_ps(x1, load(cos + c, k))),
+                                    rounded(_mm256_mul_ps(x2, load(sin + c, k))));
+    const __m256 hi = _mm256_add_ps(rounded(_mm256_mul_ps(x2, load(cos + half + c, k))),
+                                    rounded(_mm256_mul_ps(x1, load(sin + half + c, k))));
+    store(out + c, lo, k);
+    store(out + half + c, hi, k);
+  }
+}
+
+VS_AVX2 void write_kv(const AttnShape& s, const float* qkv, const float* cos, const float* sin, const int64_t* pos,
+                      float* kc, float* vc) {
+  for (int64_t b = 0; b < s.b; ++b) {
+    for (int64_t i = 0; i < s.m; ++i) {
+      const int64_t row = b * s.m + i, p = pos[row];
+      const float* src = qkv + row * s.width + s.h * s.d;
+      for (int64_t kv = 0; kv < s.kv; ++kv) {
+        rope_head(src + kv * s.d, cos + row * s.d, sin + row * s.d, s.d, kc + b * s.ks[0] + kv * s.ks[1] + p * s.ks[2]);
+        std::memcpy(vc + b * s.vs[0] + kv * s.vs[1] + p * s.vs[2], src + (s.kv + kv) * s.d, s.d * sizeof(float));
+      }
+    }
+  }
+}
+
+constexpr int64_t NQ = 4;  // query heads per block
+
+// One block of nq query heads (q: [nq][d], rotated) over its n keys (cache row key(j) of kb / vb):
+// scores and softmax numerators into p ([nq][ldp]), then out[r] = P @ V / sum.
+template <int Q, class Key>
+VS_AVX2 void attend_block(const float* q, const float* kb, const float* vb, int64_t ldk, int64_t ldv, int64_t n,
+                          int64_t d, float scale, Key key, float* p, int64_t ldp, float* const* out) {
+  // Scores, two keys at a time (a lone last key computes exactly as it would in a pair).
+  int64_t j = 0;
+  for (; j < n; j += 2) {
+    const bool two = j + 1 < n;
+    const float* k0 = kb + key(j) * ldk;
+    const float* k1 = kb + key(two ? j + 1 : j) * ldk;
+    __m256 a[Q][2];
+    for (int r = 0; r < Q; ++r) a[r][0] = a[r][1] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < d; c += 8) {
+      const __m256 x0 = _mm256_loadu_ps(k0 + c), x1 = _mm256_loadu_ps(k1 + c);
+#pragma GCC unroll 4
+      for (int r = 0; r < Q; ++r) {
+        const __m256 qv = _mm256_loadu_ps(q + r * d + c);
+        a[r][0] = _mm256_fmadd_ps(qv, x0, a[r][0]);
+        a[r][1] = _mm256_fmadd_ps(qv, x1, a[r][1]);
+      }
+    }
+    for (int r = 0; r < Q; ++r) {
+      p[r * ldp + j] = hsum(a[r][0]) * scale;
+      if (two) p[r * ldp + j + 1] = hsum(a[r][1]) * scale;
+    }
+  }
+  // Softmax numerators (zero past the n keys) and their sums.
+  float sums[Q];
+  for (int r = 0; r < Q; ++r) {
+    float* pr = p + r * ldp;
+    __m256 mx = _mm256_set1_ps(-INFINITY);
+    for (int64_t c = 0; c < n; c += 8)
+      mx = _mm256_max_ps(mx, _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), load(pr + c, n - c),
+                                              _mm256_castsi256_ps(lanes_below(n - c))));
+    const __m256 m = _mm256_set1_ps(hmax(mx));
+    __m256 sum = _mm256_setzero_ps();
+    for (int64_t c = 0; c < n; c += 8) {
+      const __m256 e = _mm256_and_ps(exp256(_mm256_sub_ps(load(pr + c, n - c), m)),
+                                     _mm256_castsi256_ps(lanes_below(n - c)));
+      store(pr + c, e, n - c);
+      sum = _mm256_add_ps(sum, e);
+    }
+    sums[r] = hsum(sum);
+  }
+  // P @ V, 16 output values at a time, each summed over the keys in order; then / sum.
+  for (int64_t c0 = 0; c0 < d; c0 += 16) {
+    __m256 a[Q][2];
+    for (int r = 0; r < Q; ++r) a[r][0] = a[r][1] = _mm256_setzero_ps();
+    for (int64_t jj = 0; jj < n; ++jj) {
+      const float* vr = vb + key(jj) * ldv + c0;
+      const __m256 v0 = _mm256_loadu_ps(vr), v1 = _mm256_loadu_ps(vr + 8);
+#pragma GCC unroll 4
+      for (int r = 0; r < Q; ++r) {
+        const __m256 pj = _mm256_set1_ps(p[r * ldp + jj]);
+        a[r][0] = _mm256_fmadd_ps(pj, v0, a[r][0]);
+        a[r][1] = _mm256_fmadd_ps(pj, v1, a[r][1]);
+      }
+    }
+    for (int r = 0; r < Q; ++r) {
+      const __m256 sr = _mm256_set1_ps(sums[r]);
+      _mm256_storeu_ps(out[r] + c0, _mm256_div_ps(a[r][0], sr));
+      _mm256_storeu_ps(out[r] + c0 + 8, _mm256_div_ps(a[r][1], sr));
+    }
+  }
+}
+
+// All query heads of KV head `kv` of row `b`, in blocks of up to NQ heads of one token: every
+// n_chunks-th block from `chunk`. A token tree's node sees the cached keys before the row's first
+// slot and then its root path, the keys (and key indices) the same token has in a chain.
+template <class Key>
+VS_AVX2 void attend_group(const AttnShape& s, const float* qkv, const float* cos, const float* sin, const int64_t* pos,
+                          const int64_t* anc, const float* kc, const float* vc, float* out, int64_t b, int64_t kv,
+                          int64_t chunk, int64_t n_chunks) {
+  constexpr bool tree = std::is_same_v<Key, PathKeys>;
+  const int64_t g_size = s.h / s.kv, d = s.d, m = s.m;
+  const int64_t g_blocks = (g_size + NQ - 1) / NQ;
+  const float* kb = kc + b * s.ks[0] + kv * s.ks[1];
+  const float* vb = vc + b * s.vs[0] + kv * s.vs[1];
+  const int64_t* pb = pos + b * m;
+  int64_t n_row = 0;
+  for (int64_t i = 0; i < m; ++i) n_row = std::max(n_row, std::min(s.kv_len, pb[i] + 1));
+  const int64_t ldp = (n_row + 7) / 8 * 8;
+  std::vector<float> q(NQ * d), p(NQ * ldp);
+  int64_t path[64];
+  for (int64_t blk = chunk; blk < m * g_blocks; blk += n_chunks) {
+    const int64_t i = blk / g_blocks, g0 = blk % g_blocks * NQ, nb = std::min(NQ, g_size - g0);
+    const int64_t row = b * m + i;
+    Key key{};
+    int64_t n = std::min(s.kv_len, pb[i] + 1);
+    if constexpr (tree) {
+      int64_t n_path = 0;
+      for (int64_t t = 0; t <= i; ++t)
+        if ((anc[row] >> t) & 1) path[n_path++] = pb[0] + t;
+      key = PathKeys{path, pb[0]};
+      n = std::min(s.kv_len, pb[0] + n_path);
+    }
+    float* o[NQ];
+    for (int64_t r = 0; r < nb; ++r) {
+      const int64_t head = kv * g_size + g0 + r;
+      rope_head(qkv + row * s.width + head * d, cos + row * d, sin + row * d, d, q.data() + r * d);
+      o[r] = out + row * s.h * d + head * d;
+    }
+    switch (nb) {
+      case 1: attend_block<1>(q.data(), kb, vb, s.ks[2], s.vs[2], n, d, s.scale, key, p.data(), ldp, o); break;
+      case 2: attend_block<2>(q.data(), kb, vb, s.ks[2], s.vs[2], n, d, s.scale, key, p.data(), ldp, o); break;
+      case 3: attend_block<3>(q.data(), kb, vb, s.ks[2], s.vs[2], n, d, s.scale, key, p.data(), ldp, o); break;
+      default: attend_block<4>(q.data(), kb, vb, s.ks[2], s.vs[2], n, d, s.scale, key, p.data(), ldp, o); break;
+    }
+  }
+}
+
+void attend_impl(const AttnShape& s, const float* qkv, const float* cos, const float* sin, const int64_t* pos,
+                 const int64_t* anc, float* kc, float* vc, float* out) {
+  write_kv(s, qkv, cos, sin, pos, kc, vc);  // all of them before any query attends
+  for_groups(s, pos, s.m * ((s.h / s.kv + NQ - 1) / NQ), [&](int64_t b, int64_t kv, int64_t chunk, int64_t n_chunks) {
+    if (anc)
+      attend_group<PathKeys>(s, qkv, cos, sin, pos, anc, kc, vc, out, b, kv, chunk, n_chunks);
+    else
+      attend_group<Contiguous>(s, qkv, cos, sin, pos, anc, kc, vc, out, b, kv, chunk, n_chunks);
+  });
+}
+
+}  // namespace avx2
 
 // ---- entry points ---------------------------------------------------------------------------------
 
@@ -615,8 +900,8 @@ void check_rows(const torch::Tensor& x, const torch::Tensor& w, const char* what
 }
 
 torch::Tensor rms_norm(const torch::Tensor& x_in, const torch::Tensor& w_in, double eps) {
-  check_cpu();
   check_float(x_in, "rms_norm");
+  check_cpu(x_in);
   const auto x = x_in.contiguous();
   const auto w = w_in.to(x.scalar_type()).contiguous();
   check_rows(x, w, "rms_norm");
@@ -630,17 +915,20 @@ torch::Tensor rms_norm(const torch::Tensor& x_in, const torch::Tensor& w_in, dou
     if (bf16) {
       rms_norm_range(static_cast<const bf16_t*>(xp), static_cast<const bf16_t*>(wp), r0, r1, d, e,
                      static_cast<bf16_t*>(yp));
-    } else {
+    } else if (wide()) {
       rms_norm_range(static_cast<const float*>(xp), static_cast<const float*>(wp), r0, r1, d, e,
                      static_cast<float*>(yp));
+    } else {
+      avx2::rms_norm_range(static_cast<const float*>(xp), static_cast<const float*>(wp), r0, r1, d, e,
+                           static_cast<float*>(yp));
     }
   });
   return y;
 }
 
 torch::Tensor add_rms_norm(torch::Tensor& x, const torch::Tensor& delta_in, const torch::Tensor& w_in, double eps) {
-  check_cpu();
   check_float(x, "add_rms_norm");
+  check_cpu(x);
   const auto w = w_in.to(x.scalar_type()).contiguous();
   check_rows(x, w, "add_rms_norm");  // x itself must be contiguous: it is updated in place
   TORCH_CHECK(delta_in.sizes() == x.sizes(), "add_rms_norm: delta of x's shape");
@@ -655,17 +943,20 @@ torch::Tensor add_rms_norm(torch::Tensor& x, const torch::Tensor& delta_in, cons
     if (bf16) {
       add_rms_norm_range(static_cast<bf16_t*>(xp), static_cast<const bf16_t*>(dp), static_cast<const bf16_t*>(wp),
                          r0, r1, d, e, static_cast<bf16_t*>(yp));
-    } else {
+    } else if (wide()) {
       add_rms_norm_range(static_cast<float*>(xp), static_cast<const float*>(dp), static_cast<const float*>(wp), r0,
                          r1, d, e, static_cast<float*>(yp));
+    } else {
+      avx2::add_rms_norm_range(static_cast<float*>(xp), static_cast<const float*>(dp), static_cast<const float*>(wp),
+                               r0, r1, d, e, static_cast<float*>(yp));
     }
   });
   return y;
 }
 
 torch::Tensor silu_mul(const torch::Tensor& gate_up_in) {
-  check_cpu();
   check_float(gate_up_in, "silu_mul");
+  check_cpu(gate_up_in);
   const auto gate_up = gate_up_in.contiguous();
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0,
               "silu_mul: contiguous [R, 2F] expected");
@@ -677,8 +968,10 @@ torch::Tensor silu_mul(const torch::Tensor& gate_up_in) {
   at::parallel_for(0, r, row_grain(2 * f), [&](int64_t r0, int64_t r1) {
     if (bf16) {
       silu_mul_range(static_cast<const bf16_t*>(gp), r0, r1, f, static_cast<bf16_t*>(yp));
-    } else {
+    } else if (wide()) {
       silu_mul_range(static_cast<const float*>(gp), r0, r1, f, static_cast<float*>(yp));
+    } else {
+      avx2::silu_mul_range(static_cast<const float*>(gp), r0, r1, f, static_cast<float*>(yp));
     }
   });
   return y;
@@ -687,8 +980,8 @@ torch::Tensor silu_mul(const torch::Tensor& gate_up_in) {
 torch::Tensor attend(const torch::Tensor& qkv_in, const torch::Tensor& cos_in, const torch::Tensor& sin_in,
                      const torch::Tensor& positions_in, torch::Tensor& k_cache, torch::Tensor& v_cache, int64_t kv_len,
                      int64_t n_heads, int64_t n_kv_heads, const c10::optional<torch::Tensor>& ancestors_in) {
-  check_cpu();
   check_float(qkv_in, "attend: qkv");
+  check_cpu(qkv_in);
   const auto qkv = qkv_in.contiguous();
   const auto cos = cos_in.contiguous(), sin = sin_in.contiguous();
   const auto positions = positions_in.to(torch::kLong).contiguous();
@@ -750,8 +1043,9 @@ torch::Tensor attend(const torch::Tensor& qkv_in, const torch::Tensor& cos_in, c
                 static_cast<const bf16_t*>(sin.data_ptr()), pos, anc, static_cast<bf16_t*>(k_cache.data_ptr()),
                 static_cast<bf16_t*>(v_cache.data_ptr()), static_cast<bf16_t*>(out.data_ptr()));
   } else {
-    attend_impl(s, qkv.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), pos, anc,
-                k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), out.data_ptr<float>());
+    (wide() ? attend_impl<float> : avx2::attend_impl)(s, qkv.data_ptr<float>(), cos.data_ptr<float>(),
+                                                      sin.data_ptr<float>(), pos, anc, k_cache.data_ptr<float>(),
+                                                      v_cache.data_ptr<float>(), out.data_ptr<float>());
   }
   return out;
 }

@@ -1356,6 +1356,7 @@ torch::Tensor bf16_unpack(const torch::Tensor& packed, int64_t n, int64_t k, con
 namespace VS_NS {
 void register_small_ops(pybind11::module_& m);  // small_ops.cpp
 bool cpu_runs_kernels() { return cpu_supported(); }  // small_ops.cpp checks the same CPU features
+bool cpu_runs_avx2() { return cpu_supports_avx2(); }  // small_ops.cpp's fp32 ops where cpu_supported() fails
 }
 
 TORCH_LIBRARY(VS_NS, m) {

@@ -234,7 +234,7 @@ class Transformer(nn.Module):
         model). Only above SMALL_M: a decode or verification step that falls back to the Python path
         (e.g. a head size the fused attention does not take) keeps exactly the ops it has always run."""
         return (self.fused_ops and not torch.compiler.is_compiling() and x.shape[1] > SMALL_M
-                and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16))
+                and x.device.type == "cpu" and x.dtype in fast_kernels.small_ops_dtypes())
 
     def _forward_prefill(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache, kv_len: int, rows: slice,
                          last_only: bool, n_layers: int | None, head: nn.Module | None) -> torch.Tensor:
@@ -383,7 +383,7 @@ class Transformer(nn.Module):
             head_w = embed
         lm_head = make_linear(head_w, None, weight_format, dtype, kernels)
         model = cls(args, embed.to(dtype), layers, norm("model.norm.weight"), lm_head, dtype)
-        model.fused_ops = fast_kernels.use_fast(kernels)
+        model.fused_ops = fast_kernels.use_small_ops(kernels)
         scratch = WeightScratch()  # the prefill's expanded weights, one layer at a time
         for module in model.modules():
             if isinstance(module, (DenseLinear, Int8Linear, Int4Linear)):
