@@ -1,4 +1,4 @@
-"""What two choices of verispec's fused forward paths save, measured on real models in one process.
+"""What three choices of verispec's fused forward paths save, measured on real models in one process.
 
 1. Prefill attention: ``Transformer._forward_prefill`` runs the fused ``kernels.attend`` where it
    applies, else the modules' SDPA path. Times a prefill of random prompts of several lengths
@@ -6,8 +6,10 @@
 2. Decode projections: the fused decode path calls each projection through
    ``linear.small_m_call`` (straight to the kernel) instead of ``nn.Module.__call__`` + ``forward``.
    Times a decode step (1 token at position 100) both ways.
+3. Decode ops: a decode step through the fused small ops (``Transformer._forward_fused``: norms,
+   attention, silu * up) against the modules' Python path (PyTorch's ops), the same projections in both.
 
-3. The pieces alone: one layer's attention of a causal prefill (RoPE, K/V write and attention; the
+4. The pieces alone: one layer's attention of a causal prefill (RoPE, K/V write and attention; the
    1.5B's 12 query / 2 KV heads of 128) through ``attend`` vs the Python path with SDPA, and one
    call of a small int4 projection (256 x 256, one row) through ``small_m_call`` vs the module.
 
@@ -50,12 +52,13 @@ def prefill_s(model: llama.Transformer, length: int, fused: bool, seed: int) -> 
             del model._fused_attention
 
 
-def decode_step_s(model: llama.Transformer, steps: int, lean: bool) -> float:
+def decode_step_s(model: llama.Transformer, steps: int, lean: bool, fused_ops: bool = True) -> float:
     cache = model.new_cache(1, 100 + steps)
     token = torch.tensor([[100]])
     call = llama.small_m_call
     if not lean:
         llama.small_m_call = lambda layer, x: layer(x)
+    model.fused_ops = fused_ops
     try:
         t0 = time.perf_counter()
         for i in range(steps):
@@ -63,16 +66,18 @@ def decode_step_s(model: llama.Transformer, steps: int, lean: bool) -> float:
         return (time.perf_counter() - t0) / steps
     finally:
         llama.small_m_call = call
+        model.fused_ops = True
 
 
-def attention_s(length: int, fused: bool, seed: int, heads: int = 12, kv_heads: int = 2, d: int = 128) -> float:
-    """One layer's prefill attention on random bf16 inputs: ``kernels.attend`` or llama.Attention's
+def attention_s(length: int, fused: bool, seed: int, dtype: torch.dtype, heads: int = 12, kv_heads: int = 2,
+                d: int = 128) -> float:
+    """One layer's prefill attention on random inputs of ``dtype``: ``kernels.attend`` or llama.Attention's
     Python path (RoPE, index_put, SDPA in its causal form), as the prefill runs each."""
     g = torch.Generator().manual_seed(seed)
-    qkv = torch.randn(1, length, (heads + 2 * kv_heads) * d, generator=g).to(torch.bfloat16)
-    cos, sin = llama.rope_tables(d, 1e6, length, torch.bfloat16)
+    qkv = torch.randn(1, length, (heads + 2 * kv_heads) * d, generator=g).to(dtype)
+    cos, sin = llama.rope_tables(d, 1e6, length, dtype)
     pos = torch.arange(length)[None]
-    k_cache = torch.zeros(1, kv_heads, length, d, dtype=torch.bfloat16)
+    k_cache = torch.zeros(1, kv_heads, length, d, dtype=dtype)
     v_cache = torch.zeros_like(k_cache)
     t0 = time.perf_counter()
     if fused:
@@ -117,14 +122,16 @@ def measure(model: llama.Transformer, label: dict, lengths: list[int], reps: int
         attend, sdpa = alternate(reps, lambda fused, rep, n=n: prefill_s(model, n, fused, rep))
         prefill.append({**label, "tokens": n, "attend_s": attend, "sdpa_s": sdpa, "speedup": sdpa / attend})
     lean, module = alternate(reps, lambda lean, rep: decode_step_s(model, steps, lean))
-    return prefill, {**label, "lean_s": lean, "module_s": module, "speedup": module / lean}
+    fused, python = alternate(reps, lambda fused, rep: decode_step_s(model, steps, True, fused))
+    return prefill, {**label, "lean_s": lean, "module_s": module, "speedup": module / lean,
+                     "fused_ops_s": fused, "python_ops_s": python}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="qwen2.5-coder-1.5b-instruct:int4,qwen2.5-coder-0.5b-instruct:int4-all")
     ap.add_argument("--lengths", default="128,400,800,1300")
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="auto", help="bf16 where the CPU computes it natively, else fp32")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--decode-steps", type=int, default=40)
     ap.add_argument("--json", help="also write the figures here")
@@ -136,8 +143,10 @@ def main() -> None:
             name, fmt = spec.split(":")
             model = Engine.from_pretrained(name, dtype=args.dtype, weights=fmt, max_len=max(lengths),
                                            progress=False).target
-            if not model.fused_ops:
-                raise SystemExit(f"{name}: verispec's fused ops do not run on this machine; nothing to compare")
+            model_dtype = model.dtype  # "auto" resolved
+            if not model.fused_ops or model_dtype not in kernels.small_ops_dtypes():
+                raise SystemExit(f"{name}: verispec's fused ops do not run on this machine in {model_dtype}; "
+                                 "nothing to compare")
             rows, row = measure(model, {"model": name, "weights": fmt}, lengths, args.reps, args.decode_steps)
             prefill += rows
             decode.append(row)
@@ -145,14 +154,15 @@ def main() -> None:
             gc.collect()
         pieces = []
         for n in lengths:
-            attend, sdpa = alternate(args.reps, lambda fused, rep, n=n: attention_s(n, fused, rep))
+            attend, sdpa = alternate(args.reps, lambda fused, rep, n=n: attention_s(n, fused, rep, model_dtype))
             pieces.append({"what": f"prefill attention, one layer, {n} tokens", "fused_s": attend, "python_s": sdpa})
-        small = linear.make_linear(torch.randn(256, 256), None, "int4", torch.bfloat16)
-        x = torch.randn(1, 256, dtype=torch.bfloat16)
+        small = linear.make_linear(torch.randn(256, 256), None, "int4", model_dtype)
+        x = torch.randn(1, 256, dtype=model_dtype)
         lean, module = alternate(args.reps, lambda lean, rep: call_s(small, x, lean))
         pieces.append({"what": "int4 projection 256 x 256, one row, per call", "fused_s": lean, "python_s": module})
     info = machine()
-    print(f"\nverispec's fused forward paths, {args.dtype}, median of {args.reps} alternating runs, "
+    dtype = str(model_dtype).removeprefix("torch.")
+    print(f"\nverispec's fused forward paths, {dtype}, median of {args.reps} alternating runs, "
           f"{info['cpu']}, {info['threads']} threads, {info['date']}\n")
     print("Prefill from an empty cache, attention: fused attend vs SDPA\n")
     print("| model | weights | prompt tokens | attend ms | SDPA ms | SDPA / attend |\n|---|---|---:|---:|---:|---:|")
@@ -165,6 +175,11 @@ def main() -> None:
     for r in decode:
         print(f"| {r['model']} | {r['weights']} | {r['lean_s'] * 1e3:.2f} | {r['module_s'] * 1e3:.2f} "
               f"| {r['speedup']:.3f}x |")
+    print(f"\nDecode step ({args.decode_steps} steps from position 100): fused small ops vs the Python path\n")
+    print("| model | weights | fused ops ms | Python path ms | Python / fused |\n|---|---|---:|---:|---:|")
+    for r in decode:
+        print(f"| {r['model']} | {r['weights']} | {r['fused_ops_s'] * 1e3:.2f} | {r['python_ops_s'] * 1e3:.2f} "
+              f"| {r['python_ops_s'] / r['fused_ops_s']:.3f}x |")
     print("\nThe pieces alone (fused: attend / small_m_call; Python: SDPA path / module call)\n")
     print("| what | fused us | Python us | Python / fused |\n|---|---:|---:|---:|")
     for r in pieces:

@@ -414,7 +414,8 @@ SECTIONS: list[tuple[str, str, str, Any]] = [
      "reads.", lambda f, b: md_section(f, b, ["plain_decode.md"], "plain_decode.json")),
     ("fused_paths", "Fused forward paths",
      "`bench/fused_paths.py`: the prefill's attention through the fused `attend` kernel against SDPA, and decode "
-     "steps with projections called straight into the kernels against module calls, alternating in one process.",
+     "steps with projections called straight into the kernels against module calls, and decode steps through the "
+     "fused small ops (norms, attention, silu * up) against PyTorch's ops, alternating in one process.",
      lambda f, b: md_section(f, b, ["fused_paths.md"], "fused_paths.json")),
     ("kernels", "Per-projection kernels",
      "`bench/kernel_bench.py`: t(M) per projection shape of the 1.5B, PyTorch's stock int4/int8/bf16 kernels "

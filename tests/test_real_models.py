@@ -145,10 +145,11 @@ def test_q8_kernels_keep_the_int4_pair_lossless_and_close_to_bf16_activations() 
 
 
 def test_suffix_trees_keep_the_int4_pair_lossless() -> None:
-    """Suffix drafts as token trees on the int4 pair (bf16, the fused kernels where the CPU runs them): every
-    node scores as its root path would alone, so the greedy output is plain decoding's, token for token."""
+    """Suffix drafts as token trees on the int4 pair in the host's default dtype (bf16 with AVX-512 BF16, fp32
+    on AVX2; the fused kernels where the CPU runs them): every node scores as its root path would alone, so
+    the greedy output is plain decoding's, token for token."""
     _require_installed(TARGET, DRAFT)
-    engine = Engine.from_pretrained(TARGET, draft=DRAFT, dtype="bfloat16", weights="int4", draft_weights="int4-all",
+    engine = Engine.from_pretrained(TARGET, draft=DRAFT, dtype="auto", weights="int4", draft_weights="int4-all",
                                     max_len=1024, progress=False)
     texts = [p.text for p in datasets.load("code_edit")[:4]]
     params = SamplingParams(max_tokens=96, ignore_eos=True)
