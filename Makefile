@@ -16,8 +16,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[test,bench]'
 	touch $@
 
-# The int4/int8 CPU kernels (C++, AVX-512 BF16) compile once into $VERISPEC_HOME/kernels; this
-# prints what the quantized layers will use. A failed build only means PyTorch's stock kernels.
+# The int4/int8 CPU kernels (C++: AVX-512 BF16, or AVX2 for 8-bit activations) compile once into
+# $VERISPEC_HOME/kernels; this prints what the quantized layers will use. A failed build only means
+# PyTorch's stock kernels.
 kernels: $(VENV)/.installed
 	-$(PY) -m verispec.kernels
 

@@ -21,6 +21,7 @@ from typing import Any
 from verispec import Engine, SamplingParams, SpecConfig
 from verispec.bench.datasets import humaneval
 from verispec.bench.hardware import machine
+from verispec.config import dtype_name
 from verispec.engine.metrics import Metrics
 
 
@@ -59,7 +60,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
     ap.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct")
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="auto", help="auto: bf16 where the CPU computes it natively, else fp32")
     ap.add_argument("--weights", default="dense")
     ap.add_argument("--draft-weights", default="int8")
     ap.add_argument("-k", type=int, default=3)
@@ -68,6 +69,7 @@ def main() -> None:
     ap.add_argument("--max-len", type=int, default=1024)
     ap.add_argument("--json", help="also write the figures here")
     args = ap.parse_args()
+    args.dtype = dtype_name(args.dtype)
 
     prompts = [p.text for p in humaneval(args.prompts)]
     rows = [run_mode(args, False, prompts), run_mode(args, True, prompts)]

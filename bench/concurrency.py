@@ -31,7 +31,7 @@ import torch
 from verispec import Engine, SamplingParams, SpecConfig, VerispecError
 from verispec.bench.datasets import default_spec_bench, spec_bench
 from verispec.bench.hardware import machine
-from verispec.config import DEFAULT_SPEC, PLAIN, spec_defaults
+from verispec.config import DEFAULT_SPEC, PLAIN, dtype_name, spec_defaults
 from verispec.engine.engine import GenerationResult
 from verispec.engine.metrics import Metrics
 from verispec.engine.step import EngineStats
@@ -232,7 +232,7 @@ def main() -> None:
     ap.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct")
     ap.add_argument("--method", default=DEFAULT_SPEC.method, choices=("draft", "hybrid", "ngram"),
                     help="the drafter; every other speculation setting is verispec's default")
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="auto", help="auto: bf16 where the CPU computes it natively, else fp32")
     ap.add_argument("--weights", default="dense", help="the target's weight format")
     ap.add_argument("--draft-weights", default="dense", help="the draft's weight format (int4-all: cheapest drafts)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -254,6 +254,7 @@ def main() -> None:
     ap.add_argument("--once", default="", help="modes run only in the first repeat (e.g. fixed, far from plain)")
     ap.add_argument("--out", type=Path, default=Path("bench_out/concurrency"))
     args = ap.parse_args()
+    args.dtype = dtype_name(args.dtype, args.device)
 
     levels = [int(c) for c in args.concurrency.split(",")]
     modes = [m for m in args.modes.split(",") if m]

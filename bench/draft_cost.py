@@ -18,6 +18,7 @@ import time
 
 from verispec import Engine, SamplingParams
 from verispec.bench.hardware import machine
+from verispec.config import dtype_name
 from verispec.drafters.vocab import special_token_ids
 from verispec.engine.draft_runner import DraftRow, DraftRunner
 from verispec.models.loader import build_model, open_source
@@ -27,12 +28,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
     ap.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct")
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="auto", help="auto: bf16 where the CPU computes it natively, else fp32")
     ap.add_argument("--weights", default="dense", help="the target's weight format")
     ap.add_argument("--draft-formats", default="dense,int8,int4")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--vocab", default="0", help="draft head sizes to time, comma-separated; 0 = the full head")
     args = ap.parse_args()
+    args.dtype = dtype_name(args.dtype)
     sizes = [int(v) for v in args.vocab.split(",") if v.strip()]  # the runner checks each (multiple of 16)
 
     engine = Engine.from_pretrained(args.model, dtype=args.dtype, weights=args.weights, max_len=512, progress=False)

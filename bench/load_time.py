@@ -15,15 +15,17 @@ import time
 
 from verispec import Engine
 from verispec.bench.hardware import machine
+from verispec.config import dtype_name
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
     ap.add_argument("--formats", default="int4,dense")
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="auto", help="auto: bf16 where the CPU computes it natively, else fp32")
     ap.add_argument("--reps", type=int, default=3)
     args = ap.parse_args()
+    args.dtype = dtype_name(args.dtype)
     info = machine()
     print(f"\nEngine.from_pretrained from the cache, {args.model} ({args.dtype}), {info['cpu']}, {info['date']}\n")
     print("| weights | median s | all runs s |\n|---|---:|---|")

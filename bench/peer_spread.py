@@ -27,7 +27,7 @@ from verispec.bench.hardware import machine
 from verispec.bench.harness import BenchRunner, Item, engine_generate
 from verispec.bench.methods import parse_methods
 from verispec.bench.peers import LLAMACPP_PLAIN, LlamaCppPeers, llamacpp_context
-from verispec.config import spec_defaults
+from verispec.config import dtype_name, spec_defaults
 
 MODEL, DRAFT = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
 
@@ -67,7 +67,8 @@ def main() -> None:
 
     prompts = load(args.datasets, per_category=args.per_category, seed=args.seed,
                    categories=[c for c in args.categories.split(",") if c] or None)
-    engine = Engine.from_pretrained(MODEL, draft=DRAFT, dtype="bfloat16", weights="int4", draft_weights="int4-all",
+    dtype = dtype_name("auto")  # bf16 where the CPU computes it natively, else fp32
+    engine = Engine.from_pretrained(MODEL, draft=DRAFT, dtype=dtype, weights="int4", draft_weights="int4-all",
                                     kernels=args.kernels, prefix_reuse=False)
     engine.profile()
     methods = parse_methods(args.methods, spec_defaults())
@@ -85,7 +86,7 @@ def main() -> None:
     table = ratios(items, records, args.repeats)
 
     m = machine()
-    lines = [f"{MODEL} (int4) + {DRAFT} (int4-all), bfloat16, kernels {args.kernels}, {m['cpu']}, {m['threads']} "
+    lines = [f"{MODEL} (int4) + {DRAFT} (int4-all), {dtype}, kernels {args.kernels}, {m['cpu']}, {m['threads']} "
              f"threads, {m['date']}. Prompts: {args.datasets} (Spec-Bench seed {args.seed}, {args.per_category} per "
              f"category of {args.categories or 'all'}); {args.max_tokens} new tokens, greedy; {args.repeats} repeats, "
              "every method (llama.cpp plain decoding included, same GGUF, same prompt token ids) on each prompt in "

@@ -23,7 +23,7 @@ from typing import Any
 from verispec import Engine, SamplingParams, SpecConfig, kernels
 from verispec.bench.datasets import load
 from verispec.bench.hardware import machine
-from verispec.config import DEFAULT_SPEC, PLAIN
+from verispec.config import DEFAULT_SPEC, PLAIN, dtype_name
 from verispec.engine.metrics import Metrics
 
 KERNELS = ("auto", "q8")
@@ -34,7 +34,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
     ap.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct")
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="auto", help="auto: bf16 where the CPU computes it natively, else fp32")
     ap.add_argument("--weights", default="int4")
     ap.add_argument("--draft-weights", default="int4-all")
     ap.add_argument("--max-tokens", type=int, default=128)
@@ -43,6 +43,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--out", type=Path, default=Path("bench_out/q8"))
     args = ap.parse_args()
+    args.dtype = dtype_name(args.dtype)
     if not kernels.q8_available():  # a report that says so, so a run_all over every step goes on
         info = machine()
         md = f"{info['cpu']}, {info['date'][:10]}: no q8 path on this host (it needs AVX-512 VNNI and BF16).\n"

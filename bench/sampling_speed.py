@@ -24,7 +24,7 @@ from typing import Any
 from verispec import Engine, SamplingParams, SpecConfig
 from verispec.bench.datasets import load
 from verispec.bench.hardware import machine
-from verispec.config import DEFAULT_SPEC
+from verispec.config import DEFAULT_SPEC, dtype_name
 from verispec.engine.metrics import Metrics
 
 
@@ -46,7 +46,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
     ap.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct")
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="auto", help="auto: bf16 where the CPU computes it natively, else fp32")
     ap.add_argument("--weights", default="int4")
     ap.add_argument("--draft-weights", default="int4-all")
     ap.add_argument("--max-tokens", type=int, default=128)
@@ -57,6 +57,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", type=Path, default=Path("bench_out/sampling"))
     args = ap.parse_args()
+    args.dtype = dtype_name(args.dtype)
 
     engine = Engine.from_pretrained(args.model, draft=args.draft, dtype=args.dtype, weights=args.weights,
                                     draft_weights=args.draft_weights, max_len=args.max_len, progress=False,

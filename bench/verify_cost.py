@@ -25,6 +25,7 @@ import torch
 
 from verispec import Engine, SamplingParams
 from verispec.bench.hardware import machine
+from verispec.config import dtype_name
 from verispec.kernels import KERNEL_CHOICES, available, q8_available, quantized_label
 from verispec.models.linear import WEIGHT_FORMATS
 
@@ -75,7 +76,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
     ap.add_argument("--formats", default=",".join(WEIGHT_FORMATS))
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="auto", help="auto: bf16 where the CPU computes it natively, else fp32")
     ap.add_argument("--m-max", type=int, default=8)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--decode-tokens", type=int, default=0, help="also time plain greedy decoding of this many tokens")
@@ -83,6 +84,7 @@ def main() -> None:
     ap.add_argument("--kernels", default="auto", help="comma-separated int4/int8 matmul kernels: auto, q8, stock")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
+    args.dtype = dtype_name(args.dtype)
     kernels = args.kernels.split(",")
     if unknown := set(kernels) - set(KERNEL_CHOICES):
         ap.error(f"unknown kernels {', '.join(sorted(unknown))} (choose from {', '.join(KERNEL_CHOICES)})")

@@ -30,3 +30,14 @@ def test_intel_and_missing_fields():
     amx = intel.replace("model\t\t: 17", "model\t\t: 143").replace("avx512f", "avx512f avx512_bf16 amx_bf16")
     assert cpu_description(amx) == "Intel Xeon (family 6 model 143; AVX-512 BF16, AMX)"
     assert cpu_description("model name\t: Some CPU\n") == "Some CPU"
+
+
+def test_auto_dtype_is_bf16_only_where_the_cpu_computes_it(monkeypatch):
+    import verispec.config as config
+
+    monkeypatch.setattr(config, "cpu_has_fast_bf16", lambda: False)
+    assert config.dtype_name("auto") == "float32"  # AVX2 / AVX-512 without BF16: bf16 would be emulated
+    assert config.dtype_name("auto", "cuda:0") == "bfloat16"
+    assert config.dtype_name("bfloat16") == "bfloat16"
+    monkeypatch.setattr(config, "cpu_has_fast_bf16", lambda: True)
+    assert config.dtype_name("auto") == "bfloat16"

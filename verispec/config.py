@@ -42,6 +42,11 @@ def resolve_dtype(name: str, device: str = "cpu") -> torch.dtype:
         raise VerispecError(f"unknown dtype '{name}' (choose auto, float32, bfloat16, float16)") from None
 
 
+def dtype_name(name: str, device: str = "cpu") -> str:
+    """The dtype ``name`` resolves to on ``device`` (``auto`` included): ``float32``, ``bfloat16`` or ``float16``."""
+    return str(resolve_dtype(name, device)).removeprefix("torch.")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """What to load and how: target and optional draft model, precision, and the engine's slots.

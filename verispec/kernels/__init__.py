@@ -1,4 +1,5 @@
-"""Fast weight-only int4/int8 (and dense bf16) matmuls for a few activation rows (AVX-512 BF16 CPUs).
+"""Fast weight-only int4/int8 (and dense bf16) matmuls for a few activation rows (AVX-512 BF16 CPUs;
+int4/int8 on 8-bit activations also on AVX2 CPUs).
 
 Speculative decoding verifies M = k + 1 tokens per target forward, so the projections should
 cost about the same for M = 1..8 while their weights stream from memory.
