@@ -206,3 +206,19 @@ def test_chat_in_a_terminal(tok_model, engine):
     finally:
         child.close()
     assert child.exitstatus == 0
+
+
+def test_edit_attaches_a_file_that_is_quoted_and_predicted(engine, tmp_path):
+    chat, out, err = _chat(engine, max_tokens=12)
+    plain = chat.ask("hello")
+    code = tmp_path / "code.txt"
+    code.write_text(plain.text + "\n", encoding="utf-8")
+    chat.reset()
+    assert chat.handle(f"/edit {code}") and "attached" in out.getvalue()
+    predicted = chat.ask("hello")
+    assert chat.messages[-2]["content"] == f"hello\n\n```\n{plain.text}\n```"  # the file is quoted
+    assert predicted.metrics.accepted_prediction_tokens > 0 and "prediction " in out.getvalue()
+    assert chat.attached is None  # one message only
+    chat.handle("/edit")
+    chat.handle(f"/edit {tmp_path / 'missing.txt'}")
+    assert "/edit needs a file" in err.getvalue() and "/edit: cannot read" in err.getvalue()

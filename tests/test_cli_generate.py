@@ -124,3 +124,17 @@ def test_colour_only_on_a_terminal_without_no_color(monkeypatch):
     assert not use_colour(Tty())
     monkeypatch.setenv("NO_COLOR", "")
     assert use_colour(Tty())
+
+
+def test_generate_with_a_prediction_file(tok_model, capsys, tmp_path):
+    plain = _json_run(capsys, _generate_args(tok_model, "--ignore-eos"))
+    answer = tmp_path / "answer.txt"
+    answer.write_text(plain["text"], encoding="utf-8")
+    predicted = _json_run(capsys, _generate_args(tok_model, "--ignore-eos", "--prediction", str(answer)))
+    assert predicted["token_ids"] == plain["token_ids"]
+    assert predicted["metrics"]["accepted_prediction_tokens"] >= 6
+    assert predicted["metrics"]["steps"] < plain["metrics"]["steps"]
+    assert main(_generate_args(tok_model, "--ignore-eos", "--prediction", str(answer))) == 0
+    assert "[prediction: " in capsys.readouterr().err
+    assert main(_generate_args(tok_model, "--prediction", str(tmp_path / "missing.txt"))) == 2
+    assert "--prediction: cannot read" in capsys.readouterr().err

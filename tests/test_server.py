@@ -24,7 +24,7 @@ from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 from tiny_server import make_tiny_pair, metric_value, running_server
 
-from verispec import Engine
+from verispec import Engine, SamplingParams
 from verispec.config import SpecConfig
 from verispec.engine.detok import IncrementalDetokenizer, StreamText
 from verispec.errors import VerispecError
@@ -340,6 +340,58 @@ def test_metrics_change_as_expected(http: httpx.Client, oai: OpenAI) -> None:
     assert stats["paths"]["speculative"]["window"]["acceptance_rate"] is not None
     # Plain decoding makes one token per step, the EOS a last step may make included.
     assert stats["paths"]["plain"]["window"]["mean_accepted_length"] == 1.0
+
+
+def test_predicted_outputs_through_the_openai_client(http: httpx.Client, oai: OpenAI, engine: Engine) -> None:
+    messages = [{"role": "user", "content": "Repeat after me"}]
+    spec = {"enabled": True, "method": "draft", "k": 4}  # the fixed k policy: counts that do not depend on timing
+    kwargs = dict(model=MODEL, messages=messages, max_tokens=40, **GREEDY,
+                  extra_body={"ignore_eos": True, "speculative": spec})
+    plain = oai.chat.completions.create(**kwargs)
+    answer = plain.choices[0].message.content
+    details = plain.usage.completion_tokens_details
+    assert (details.accepted_prediction_tokens, details.rejected_prediction_tokens) == (0, 0)
+    labels = {"path": "speculative", "outcome": "accepted"}
+    before = metric_value(http, "verispec:prediction_tokens_total", **labels)
+    # The byte-level tokenizer's random answers are rarely valid UTF-8, so the text a client sees does not
+    # tokenize back to the answer everywhere: the engine in process, given the same text, says what to expect.
+    alone = engine.generate(engine.encode(messages, chat=True), SamplingParams(max_tokens=40, ignore_eos=True),
+                            SpecConfig(method="draft", k=4, k_policy="fixed"), prediction=answer)[0].metrics
+    assert alone.accepted_prediction_tokens > 0
+    for prediction in (answer, answer[:12] + "something else entirely" + answer[20:], "zzzz qqqq " * 8):
+        r = oai.chat.completions.create(**kwargs, prediction={"type": "content", "content": prediction})
+        assert r.choices[0].message.content == answer  # a prediction changes the speed, never the answer
+        details = r.usage.completion_tokens_details
+        if prediction == answer:
+            assert (details.accepted_prediction_tokens, details.rejected_prediction_tokens) == \
+                (alone.accepted_prediction_tokens, alone.rejected_prediction_tokens)
+    # Text parts, streamed, on the completions endpoint too.
+    parts = [{"type": "text", "text": answer[:10]}, {"type": "text", "text": answer[10:]}]
+    chunks = list(oai.chat.completions.create(**kwargs, prediction={"type": "content", "content": parts},
+                                              stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == answer
+    assert chunks[-1].usage.completion_tokens_details.accepted_prediction_tokens == alone.accepted_prediction_tokens
+    completion = oai.completions.create(model=MODEL, prompt="Hello", max_tokens=20, **GREEDY)
+    predicted = {"type": "content", "content": completion.choices[0].text}
+    again = oai.completions.create(model=MODEL, prompt="Hello", max_tokens=20, **GREEDY,
+                                   extra_body={"prediction": predicted})
+    assert again.choices[0].text == completion.choices[0].text
+    assert metric_value(http, "verispec:prediction_tokens_total", **labels) >= \
+        before + 2 * alone.accepted_prediction_tokens
+
+
+@pytest.mark.parametrize("prediction, param", [
+    ({"type": "content", "content": 5}, "prediction.content"),
+    ({"type": "text", "content": "a"}, "prediction.type"),
+    ({"content": "a"}, "prediction.type"),
+    ("just a string", "prediction"),
+    ({"type": "content", "content": "x" * (2 * MAX_LEN)}, "prediction"),  # one token per byte: past the context
+])
+def test_bad_predictions_are_a_400_naming_the_field(http: httpx.Client, prediction: Any, param: str) -> None:
+    for path, body in (("/v1/completions", {"prompt": "a"}), ("/v1/chat/completions",
+                                                               {"messages": [{"role": "user", "content": "a"}]})):
+        _assert_error(http.post(path, json={"model": MODEL, "max_tokens": 4, "prediction": prediction, **body}),
+                      400, param)
 
 
 def test_a_plain_request_ending_on_eos_reports_one_token_per_step(http: httpx.Client) -> None:

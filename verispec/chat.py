@@ -17,6 +17,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import TextIO
 
 from verispec.config import SpecConfig
@@ -29,6 +30,8 @@ from verispec.sampling import SamplingParams
 PROMPT = ">>> "
 HELP = """/stats   cumulative figures: answers, tokens, tokens/s, acceptance, mean accepted length
 /reset   forget the conversation (the system prompt stays)
+/edit FILE  the next message quotes FILE in a code block, and FILE's text is the answer's predicted output
+            (drafted where the answer repeats it: edits of that file come back fast)
 /help    this list
 /exit    leave (Ctrl-D too)
 Ctrl-C stops an answer (kept as shown); twice drops the whole exchange."""
@@ -39,6 +42,8 @@ def answer_line(m: Metrics, finish: str) -> str:
     acceptance = f"{m.acceptance_rate:.0%}" if m.drafted else "-"
     line = (f"[{m.generated_tokens} tokens, {m.tokens_per_s:.1f} tokens/s, acceptance {acceptance}, "
             f"mean accepted length {m.mean_accepted_length:.2f}")
+    if m.accepted_prediction_tokens or m.rejected_prediction_tokens:
+        line += f", prediction {m.accepted_prediction_tokens} accepted / {m.rejected_prediction_tokens} rejected"
     return line + ("]" if finish == "stop" else f", finish: {finish}]")
 
 
@@ -74,11 +79,18 @@ class Chat:
         self.messages: list[dict[str, str]] = list(self.system)
         self.total = Metrics()
         self._cancelled = False
+        self.attached: str | None = None  # /edit: the file text the next message quotes and predicts
 
     # -- one turn -------------------------------------------------------------------------
 
     def ask(self, text: str) -> GenerationResult | None:
-        """Answer ``text`` in the conversation, streaming to ``out``; None if the turn was dropped."""
+        """Answer ``text`` in the conversation, streaming to ``out``; None if the turn was dropped.
+
+        A file attached by ``/edit`` is quoted after ``text`` and is the answer's predicted output.
+        """
+        prediction, self.attached = self.attached, None
+        if prediction is not None:
+            text = f"{text}\n\n```\n{prediction}\n```"
         self.messages.append({"role": "user", "content": text})
         try:
             ids = self._prompt_ids()
@@ -95,7 +107,8 @@ class Chat:
         self._cancelled = False
         try:
             with self._sigint():
-                result = self.engine.generate(ids, self.params, self.spec, on_tokens=on_tokens)[0]
+                result = self.engine.generate(ids, self.params, self.spec, on_tokens=on_tokens,
+                                              prediction=prediction)[0]
             printer.finish(result.text)
             self.out.write("\n")
             self.messages.append({"role": "assistant", "content": result.text or ""})
@@ -184,6 +197,8 @@ class Chat:
         elif command == "/reset":
             self.reset()
             self._say(dim("[conversation cleared]", self.colour))
+        elif command == "/edit":
+            self._attach(line.split(maxsplit=1)[1] if len(line.split(maxsplit=1)) > 1 else "")
         elif command == "/help":
             self._say(HELP)
         else:
@@ -216,6 +231,19 @@ class Chat:
                 if len(self.messages) > len(self.system) and self.messages[-1]["role"] == "user":
                     self.messages.pop()
                 self.out.write("\n")
+
+    def _attach(self, path: str) -> None:
+        if not path:
+            self._error("/edit needs a file: /edit path/to/file")
+            return
+        try:
+            text = Path(path).expanduser().read_text(encoding="utf-8").rstrip("\n")
+        except (OSError, UnicodeDecodeError) as e:
+            self._error(f"/edit: cannot read {path}: {e}")
+            return
+        self.attached = text
+        self._say(dim(f"[{path} attached: your next message quotes it, and the answer is drafted from it]",
+                      self.colour))
 
     def _method(self) -> str:
         return f"{self.spec.method}, k={self.spec.k}" if self.spec.enabled else "plain decoding"

@@ -8,6 +8,7 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from verispec.config import DEFAULT_SPEC, SpecConfig
@@ -149,12 +150,14 @@ def _generate(engine: Engine, args: argparse.Namespace, params: SamplingParams,
               spec: SpecConfig) -> GenerationResult:
     """Generate for ``args.prompt``; without --json the text is printed to stdout as it streams."""
     chat = _use_chat_template(engine, args)
+    prediction = read_text(args.prediction, "--prediction") if args.prediction else None
     if args.json:
-        return engine.generate(args.prompt, params, spec, chat=chat)[0]
+        return engine.generate(args.prompt, params, spec, chat=chat, prediction=prediction)[0]
     from verispec.console import AnswerPrinter
 
     printer = AnswerPrinter(engine.tokenizer, params.stop, sys.stdout)
-    result = engine.generate(args.prompt, params, spec, chat=chat, on_tokens=printer.on_tokens)[0]
+    result = engine.generate(args.prompt, params, spec, chat=chat, on_tokens=printer.on_tokens,
+                             prediction=prediction)[0]
     printer.finish(result.text)
     print()
     return result
@@ -192,7 +195,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(f"[{spec.method} k={spec.k}: {m.steps} target forwards, {m.drafted} drafted, {m.accepted} accepted, "
               f"acceptance {m.acceptance_rate:.1%}, mean accepted length {m.mean_accepted_length:.2f}]\n"
               f"[acceptance by position: {by_pos}]\n[time: {stages}]", file=sys.stderr)
+    if args.prediction:
+        print(f"[prediction: {m.accepted_prediction_tokens} tokens accepted, {m.rejected_prediction_tokens} "
+              "rejected]", file=sys.stderr)
     return 0
+
+
+def read_text(path: str, option: str) -> str:
+    """The UTF-8 text of ``path`` (``-``: standard input), or a one-line error naming ``option``."""
+    if path == "-":
+        return sys.stdin.read()
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise VerispecError(f"{option}: cannot read {path}: {e}") from None
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
@@ -294,6 +310,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(g)
     _add_spec_args(g)
     g.add_argument("--prompt", required=True)
+    g.add_argument("--prediction", metavar="FILE", help="predicted output: a file whose text the answer is expected "
+                   "to repeat (the code an edit quotes; - reads standard input), drafted where it does")
     template = g.add_mutually_exclusive_group()
     template.add_argument("--raw", action="store_true",
                           help="send the prompt as is (by default it goes through the model's chat template, if any)")

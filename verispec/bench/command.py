@@ -140,7 +140,7 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
     peers = _load_peers(opts, engine, prompts, peer_errors) if opts.peers else None
     memory = MemoryTracker()
     runner = BenchRunner(params, opts.repeats, opts.seed, opts.progress, memory)
-    gens = {m.label: engine_generate(engine, m.spec) for m in methods}
+    gens = {m.label: engine_generate(engine, m.spec, m.predict) for m in methods}
     kinds = {m.label: "baseline" if m.is_baseline else "verispec" for m in methods}
     if peers is not None:
         gens.update(peers.methods)
@@ -188,7 +188,7 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
                    "kernels": config["kernels"]},
         "machine": machine(), "versions": versions(),
         "methods": [{"label": m.label, "kind": kinds[m.label], "family": m.family, "from_sweep": m.from_sweep,
-                     "spec": spec_dict(m.spec)} for m in methods]
+                     "predict": m.predict, "spec": spec_dict(m.spec)} for m in methods]
         + [{"label": label, "kind": "peer", "family": label, "from_sweep": False, "spec": None}
            for label in records if kinds.get(label) == "peer"],
         "summary": [r.as_dict() for r in overall(rows)],

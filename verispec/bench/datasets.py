@@ -17,7 +17,8 @@ class BenchPrompt:
     """One prompt: ``chat`` prompts go through the chat template, others are raw completions.
 
     ``followups`` are later user turns of a multi-turn conversation (MT-bench's second turn);
-    the harness answers ``text`` first and sends each follow-up with the answers so far.
+    the harness answers ``text`` first and sends each follow-up with the answers so far. ``prediction``
+    is the answer a client expects (the quoted code of an edit), sent by methods that use predictions.
     """
 
     id: str
@@ -25,6 +26,7 @@ class BenchPrompt:
     text: str
     chat: bool
     followups: tuple[str, ...] = ()
+    prediction: str | None = None
 
 
 # Spec-Bench's question.jsonl, shipped inside the package (provenance and terms: data/SOURCES.md).
@@ -34,6 +36,8 @@ PACKAGED_CHAT_CODE = Path(__file__).resolve().parent / "data" / "chat_code.jsonl
 # Requests to edit a Python function quoted in the prompt (rewrite, rename, add hints): chat prompts whose
 # answers copy much of their input.
 PACKAGED_CODE_EDIT = Path(__file__).resolve().parent / "data" / "code_edit.jsonl"
+# The same in Go, TypeScript, Rust, SQL and bash. Both sets carry their quoted code as the prediction.
+PACKAGED_CODE_EDIT_POLYGLOT = Path(__file__).resolve().parent / "data" / "code_edit_polyglot.jsonl"
 
 
 def default_spec_bench() -> Path:
@@ -126,9 +130,10 @@ def humaneval(n: int | None = None, start: int = 0) -> list[BenchPrompt]:
 
 
 def jsonl(path: Path, field: str = "prompt", chat: bool = True, n: int | None = None) -> list[BenchPrompt]:
-    """Any JSONL file with a prompt field (and optional ``id`` and ``category``).
+    """Any JSONL file with a prompt field (and optional ``id``, ``category`` and ``prediction``).
 
-    A list-valued field (e.g. Spec-Bench's ``turns``) contributes its first element.
+    A list-valued field (e.g. Spec-Bench's ``turns``) contributes its first element. ``prediction`` is a
+    predicted output (text), as OpenAI's ``prediction`` content.
     """
     rows = _read_jsonl(Path(path))
     prompts = []
@@ -138,8 +143,11 @@ def jsonl(path: Path, field: str = "prompt", chat: bool = True, n: int | None = 
         text = r[field][0] if isinstance(r[field], list) and r[field] else r[field]
         if not isinstance(text, str):
             raise VerispecError(f"{path}: row {i + 1}: '{field}' is not a string")
+        prediction = r.get("prediction")
+        if prediction is not None and not isinstance(prediction, str):
+            raise VerispecError(f"{path}: row {i + 1}: 'prediction' is not a string")
         prompts.append(BenchPrompt(str(r.get("id", r.get("question_id", i))), str(r.get("category", "jsonl")), text,
-                                   chat))
+                                   chat, prediction=prediction))
     return prompts
 
 
@@ -147,7 +155,7 @@ def load(names: str, spec_bench_path: Path | None = None, per_category: int | No
          seed: int = 0, turns: int = 1, field: str = "prompt", chat: bool = True,
          categories: list[str] | None = None) -> list[BenchPrompt]:
     """Prompts of comma-separated datasets: ``spec_bench``, ``humaneval`` (or ``humaneval:A-B``), ``chat_code``,
-    ``code_edit``, ``jsonl:PATH``.
+    ``code_edit``, ``code_edit_polyglot``, ``jsonl:PATH``.
 
     ``per_category`` samples Spec-Bench and ``categories`` keeps only those of its categories (the
     same prompts a run of every category samples); ``n`` takes the first ``n`` HumanEval or JSONL prompts.
@@ -165,11 +173,13 @@ def load(names: str, spec_bench_path: Path | None = None, per_category: int | No
             prompts += jsonl(PACKAGED_CHAT_CODE, chat=True, n=n)
         elif name == "code_edit":
             prompts += jsonl(PACKAGED_CODE_EDIT, chat=True, n=n)
+        elif name == "code_edit_polyglot":
+            prompts += jsonl(PACKAGED_CODE_EDIT_POLYGLOT, chat=True, n=n)
         elif name.startswith("jsonl:"):
             prompts += jsonl(Path(name[len("jsonl:"):]).expanduser(), field, chat, n)
         else:
             raise VerispecError(f"unknown dataset '{name}' (choose spec_bench, humaneval, humaneval:A-B, chat_code, "
-                                "code_edit or jsonl:PATH)")
+                                "code_edit, code_edit_polyglot or jsonl:PATH)")
     if not prompts:
         raise VerispecError(f"no prompts in dataset '{names}'")
     return prompts

@@ -50,6 +50,7 @@ class Item:
     turn: int  # 1 for a first turn; MT-bench follow-ups are 2
     payload: Payload  # text, or chat messages for a follow-up turn
     chat: bool
+    prediction: str | None = None  # the predicted output, for methods that send one
 
     def as_dict(self) -> dict[str, Any]:
         return {"index": self.index, "prompt_id": self.prompt_id, "category": self.category, "turn": self.turn,
@@ -83,10 +84,11 @@ Generate = Callable[[Item, SamplingParams], GenerationResult]
 """How a method generates one item: the engine with a SpecConfig, or a peer library."""
 
 
-def engine_generate(engine: Engine, spec: Any) -> Generate:
-    """A :data:`Generate` for ``engine`` decoding with ``spec``."""
+def engine_generate(engine: Engine, spec: Any, predict: bool = False) -> Generate:
+    """A :data:`Generate` for ``engine`` decoding with ``spec`` (and, with ``predict``, the item's prediction)."""
     def gen(item: Item, params: SamplingParams) -> GenerationResult:
-        return engine.generate(item.payload, params, spec, chat=item.chat)[0]
+        prediction = item.prediction if predict else None
+        return engine.generate(item.payload, params, spec, chat=item.chat, prediction=prediction)[0]
     return gen
 
 
@@ -143,7 +145,7 @@ class BenchRunner:
         records: dict[str, list[Record]] = {label: [] for label in methods}
         warm = True
         for p in tqdm(prompts, desc="prompts", unit="prompt", disable=not self.progress or None):
-            item = Item(len(items), p.id, p.category, 1, p.text, p.chat)
+            item = Item(len(items), p.id, p.category, 1, p.text, p.chat, p.prediction)
             messages = [{"role": "user", "content": p.text}]
             for turn, follow in enumerate((None, *p.followups), start=1):
                 if follow is not None:

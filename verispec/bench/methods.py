@@ -5,7 +5,9 @@ Examples: ``none``, ``draft``, ``draft:k=3``, ``draft:policy=cost``, ``layerskip
 ``hybrid:window=256`` (the draft reads a long prompt's last 256 tokens), ``hybrid:vocab=0,window=0``
 (the full head and the whole prompt), ``suffix:global=0,min_prob=0.2`` (suffix decoding over the request
 alone, drafting only paths of probability 0.2 or more), ``hybrid:lookup=suffix`` (hybrid with the suffix
-drafter as its context lookup), ``suffix:width=3`` (suffix drafts as token trees of up to 3 ways per node).
+drafter as its context lookup), ``suffix:width=3`` (suffix drafts as token trees of up to 3 ways per node),
+``hybrid:predict=1`` (the default with each prompt's predicted output, where its dataset has one) and
+``none:predict=1`` (plain decoding plus the prediction alone).
 An option a string leaves out takes the run's defaults: :data:`~verispec.config.DEFAULT_SPEC` (what
 ``verispec generate`` runs), as ``bench``'s -k, --k-policy, --confidence, --draft-vocab and
 --draft-window change it; so ``draft`` is the draft model under the default cost policy, and
@@ -61,10 +63,11 @@ class Method:
     spec: SpecConfig
     explicit_k: bool = False  # the string set k itself (a k sweep leaves such methods alone)
     from_sweep: bool = False  # added by --k-sweep rather than asked for by name
+    predict: bool = False  # send each prompt's predicted output (datasets with a ``prediction`` field)
 
     @property
     def is_baseline(self) -> bool:
-        return not self.spec.enabled
+        return not self.spec.enabled and not self.predict
 
     @property
     def family(self) -> str:
@@ -79,10 +82,12 @@ def parse_method(text: str, defaults: SpecConfig = DEFAULT_SPEC) -> Method:
     text = text.strip()
     name, _, opts = text.partition(":")
     name = name.strip()
+    predict = _predict_option(text, opts)
+    opts = ",".join(o for o in opts.split(",") if o.partition("=")[0].strip() not in PREDICT_KEYS)
     if name in ("none", BASELINE):
         if opts.strip():
-            raise VerispecError(f"method '{text}': plain decoding takes no options")
-        return Method(BASELINE, PLAIN)
+            raise VerispecError(f"method '{text}': plain decoding takes no options but predict")
+        return Method(text, PLAIN, predict=True) if predict else Method(BASELINE, PLAIN)
     if name not in METHODS:
         raise VerispecError(f"unknown method '{name}' in '{text}' (choose from {', '.join(METHODS)})")
     values: dict[str, Any] = {"method": name}
@@ -103,7 +108,22 @@ def parse_method(text: str, defaults: SpecConfig = DEFAULT_SPEC) -> Method:
     spec = replace(defaults, **values)  # validates ranges and names
     if spec.k == 0:
         raise VerispecError(f"method '{text}': k=0 is plain decoding; use 'none'")
-    return Method(text, spec, explicit_k)
+    return Method(text, spec, explicit_k, predict=predict)
+
+
+PREDICT_KEYS = ("predict", "prediction")
+
+
+def _predict_option(text: str, opts: str) -> bool:
+    """The ``predict=0|1`` option of a method string (False when absent)."""
+    value = False
+    for opt in opts.split(","):
+        key, _, raw = opt.partition("=")
+        if key.strip() in PREDICT_KEYS:
+            if raw.strip() not in ("0", "1"):
+                raise VerispecError(f"method '{text}': predict must be 0 or 1 (got '{raw.strip()}')")
+            value = raw.strip() == "1"
+    return value
 
 
 def split_methods(text: str) -> list[str]:
@@ -147,7 +167,7 @@ def with_k_sweep(methods: list[Method], ks: list[int]) -> list[Method]:
                 continue
             seen.add((m.family, k))
             label = f"{m.label},k={k}" if ":" in m.label else f"{m.label}:k={k}"
-            out.append(Method(label, replace(m.spec, k=k), explicit_k=True, from_sweep=True))
+            out.append(Method(label, replace(m.spec, k=k), explicit_k=True, from_sweep=True, predict=m.predict))
     return out
 
 

@@ -76,6 +76,9 @@ class Drafter(ABC):
     # Seconds per drafted token as a share of a one-token target forward: what the cost policy charges
     # for this drafter's proposals (0: a lookup, next to free).
     forward_fraction: float = 0.0
+    # It proposes only what :meth:`free_tokens` offers (hybrid's lookups): without an offer its row drafts with
+    # the engine's draft model, if the row has one, or decodes plainly; the k policy never sizes its proposals.
+    lookups_only: bool = False
 
     def use_row(self, slot: int) -> None:  # noqa: B027 (optional hook)
         """The next request runs in row ``slot`` of the engine's caches (called before :meth:`begin`)."""

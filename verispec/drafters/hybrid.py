@@ -37,6 +37,7 @@ class HybridDrafter(Drafter):
     """
 
     name = "hybrid"
+    lookups_only = True
 
     def __init__(self, lookup: NgramDrafter | SuffixDrafter, retrieval: RetrievalDrafter | None = None,
                  min_match: int = DEFAULT_MIN_MATCH) -> None:

@@ -36,12 +36,13 @@ from verispec.config import K_MAX, PLAIN, EngineConfig, SpecConfig, resolve_dtyp
 from verispec.drafters import make_drafter
 from verispec.drafters.base import DraftContext, Drafter
 from verispec.drafters.hybrid import HybridDrafter
+from verispec.drafters.prediction import PredictionDrafter
 from verispec.drafters.vocab import special_token_ids
 from verispec.engine.compiled import compile_model
 from verispec.engine.costs import PROFILE_K, CostModel, profile_costs
 from verispec.engine.draft_runner import MAX_LOCKSTEP_FEED, DraftRunner
 from verispec.engine.metrics import Metrics
-from verispec.engine.policy import AnswerLengths, CostPolicy, RowPlan, request_policy
+from verispec.engine.policy import PRIOR_ACCEPTANCE, AnswerLengths, CostPolicy, RowPlan, request_policy
 from verispec.engine.prefix import SlotPrefixes, held_tokens
 from verispec.engine.request import GenerationResult, OnTokens, Request, RequestHandle
 from verispec.engine.scheduler import Scheduler
@@ -55,8 +56,9 @@ from verispec.models.loader import build_model, load_tokenizer, open_source, res
 from verispec.sampling import SamplingParams
 
 Prompt = str | list[int] | list[dict[str, str]]
+Prediction = str | list[int]  # predicted output: text, or its token ids
 
-__all__ = ["Engine", "GenerationResult", "Prompt", "RequestHandle", "check_tokenizers_match"]
+__all__ = ["Engine", "GenerationResult", "Prediction", "Prompt", "RequestHandle", "check_tokenizers_match"]
 
 # Cache positions past max_len: a row padded to the step's widest k + 1 (k <= K_MAX) writes up to K_MAX
 # positions past its own end, the lockstep draft catch-up a few more, and a compiled forward pads
@@ -272,6 +274,25 @@ class Engine:
     def decode(self, ids: list[int]) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode(ids, skip_special_tokens=True)
 
+    def encode_prediction(self, prediction: Prediction | None) -> list[int] | None:
+        """Token ids of a predicted output (text is tokenized without special tokens); None for none or empty."""
+        if prediction is None:
+            return None
+        vocab = self.target.args.vocab_size
+        if isinstance(prediction, str):
+            if self.tokenizer is None:
+                raise VerispecError("this model has no tokenizer; pass the prediction as token ids")
+            ids = list(self.tokenizer.encode(prediction, add_special_tokens=False))
+        elif isinstance(prediction, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prediction):
+            ids = list(prediction)
+            if any(not 0 <= t < vocab for t in ids):
+                raise VerispecError(f"prediction token ids must be in [0, {vocab})")
+        else:
+            raise VerispecError("a prediction is a string or a list of token ids")
+        if len(ids) > self.max_len:
+            raise VerispecError(f"the prediction has {len(ids)} tokens but the context holds {self.max_len}")
+        return ids or None
+
     # -- state ----------------------------------------------------------------------------
 
     @property
@@ -337,24 +358,29 @@ class Engine:
     # -- requests -------------------------------------------------------------------------
 
     def submit(self, prompt: Prompt, params: SamplingParams | None = None, spec: SpecConfig | None = None,
-               chat: bool = False, on_tokens: OnTokens | None = None, drafter: Drafter | None = None) -> RequestHandle:
+               chat: bool = False, on_tokens: OnTokens | None = None, drafter: Drafter | None = None,
+               prediction: Prediction | None = None) -> RequestHandle:
         """Queue one request; returns its handle at once (:meth:`step` runs it).
 
         ``on_tokens(tokens)`` is called with the tokens each step adds (a
         :class:`~verispec.engine.stopping.StepTokens`: ``tokens.drafted`` of them accepted drafts);
         returning False cancels the request. ``drafter`` plugs in a custom :class:`Drafter` for this
         request instead of the one ``spec.method`` names (``spec`` must speculate; its k and k policy
-        apply). Raises :class:`VerispecError` at once for a request that can never run: a prompt +
-        max_tokens beyond the context or KV budget, stop strings without a tokenizer, a method this
-        engine cannot serve.
+        apply). ``prediction`` is the output the caller expects (OpenAI's predicted outputs: text or token
+        ids): runs of it that the answer repeats are drafted whatever ``spec`` says, plain decoding
+        included (:mod:`verispec.drafters.prediction`); the output stays the target's. Raises
+        :class:`VerispecError` at once for a request that can never run: a prompt + max_tokens beyond
+        the context or KV budget, a prediction longer than the context, stop strings without a
+        tokenizer, a method this engine cannot serve.
         """
         params = params or SamplingParams()
         spec = spec or PLAIN
         ids = self.encode(prompt, chat)
+        predicted = self.encode_prediction(prediction)
         self._check_request(ids, params, spec, drafter)
         handle = RequestHandle(self, next(self._ids), ids)
         req = Request(handle, ids, params, spec, on_tokens, Metrics(requests=1, prompt_tokens=len(ids)),
-                      drafter=drafter, kpolicy=request_policy(spec) if spec.enabled else None)
+                      drafter=drafter, kpolicy=request_policy(spec) if spec.enabled else None, prediction=predicted)
         self.scheduler.submit(req, self._reserve(ids, params))
         self._by_handle[handle] = req
         return handle
@@ -387,7 +413,8 @@ class Engine:
     def generate(self, prompts: Prompt | list[Prompt], params: SamplingParams | list[SamplingParams] | None = None,
                  spec: SpecConfig | list[SpecConfig] | None = None, chat: bool = False,
                  drafter: Drafter | None = None,
-                 on_tokens: Callable[[int, list[int]], bool | None] | None = None) -> list[GenerationResult]:
+                 on_tokens: Callable[[int, list[int]], bool | None] | None = None,
+                 prediction: Prediction | list[Prediction | None] | None = None) -> list[GenerationResult]:
         """Generate for one prompt or a list of prompts; returns one result per prompt, in order.
 
         ``params`` and ``spec`` are one for all or one per prompt; ``spec=None`` decodes plainly.
@@ -399,23 +426,29 @@ class Engine:
         ``on_tokens(i, tokens)`` is called after every step with the tokens prompt ``i`` just
         gained (streaming); returning False cancels that request (finish reason "cancelled").
         ``tokens`` is a :class:`~verispec.engine.stopping.StepTokens`: a list whose ``drafted``
-        attribute counts its leading tokens that were accepted drafts.
+        attribute counts its leading tokens that were accepted drafts. ``prediction`` is one predicted
+        output for every prompt (text or token ids) or a list of one per prompt (None for none).
         """
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int | dict)):
             prompts = [prompts]
         n = len(prompts)
         params_l = params if isinstance(params, list) else [params or SamplingParams()] * n
         spec_l = spec if isinstance(spec, list) else [spec or PLAIN] * n
-        if len(params_l) != n or len(spec_l) != n:
-            raise VerispecError("give one params and one spec for all prompts, or one per prompt")
+        one_prediction = prediction is None or isinstance(prediction, str) or \
+            all(isinstance(t, int) for t in prediction)
+        pred_l = [prediction] * n if one_prediction else list(prediction)
+        if len(params_l) != n or len(spec_l) != n or len(pred_l) != n:
+            raise VerispecError("give one params, spec and prediction for all prompts, or one per prompt")
         encoded = [self.encode(p, chat) for p in prompts]
+        pred_l = [self.encode_prediction(p) for p in pred_l]
         for ids, p, s in zip(encoded, params_l, spec_l, strict=True):
             self._check_request(ids, p, s, drafter)
-        jobs = [(ids, p, s, on_tokens and partial(on_tokens, i))
-                for i, (ids, p, s) in enumerate(zip(encoded, params_l, spec_l, strict=True))]
+        jobs = [(ids, p, s, pr, on_tokens and partial(on_tokens, i))
+                for i, (ids, p, s, pr) in enumerate(zip(encoded, params_l, spec_l, pred_l, strict=True))]
         if drafter is not None:
-            return [self.submit(ids, p, s, on_tokens=cb, drafter=drafter).result() for ids, p, s, cb in jobs]
-        handles = [self.submit(ids, p, s, on_tokens=cb) for ids, p, s, cb in jobs]
+            return [self.submit(ids, p, s, on_tokens=cb, drafter=drafter, prediction=pr).result()
+                    for ids, p, s, pr, cb in jobs]
+        handles = [self.submit(ids, p, s, on_tokens=cb, prediction=pr) for ids, p, s, pr, cb in jobs]
         return [h.result() for h in handles]
 
     # -- running --------------------------------------------------------------------------
@@ -516,13 +549,15 @@ class Engine:
             row.model_draft = req.drafter is None and spec.method in ("draft", "hybrid") and \
                 self.draft_runner is not None
             row.min_confidence = spec.min_confidence
-            if row.drafter is not None:
-                row.drafter.use_row(slot)
-                row.drafter.begin(req.prompt)
-            if row.model_draft:
-                assert self.draft_runner is not None
-                self.stats.prefix_draft_reused_tokens += self.draft_runner.begin(slot, req.prompt, spec.draft_vocab,
-                                                                                 spec.draft_window)
+        if req.prediction is not None:  # the prediction drafts where it matches, the method's drafter elsewhere
+            req.predictor = row.drafter = PredictionDrafter(req.prediction, row.drafter, spec.k)
+        if row.drafter is not None:
+            row.drafter.use_row(slot)
+            row.drafter.begin(req.prompt)
+        if row.model_draft:
+            assert self.draft_runner is not None
+            self.stats.prefix_draft_reused_tokens += self.draft_runner.begin(slot, req.prompt, spec.draft_vocab,
+                                                                             spec.draft_window)
         req.row = row
         self._running[slot] = req
 
@@ -565,20 +600,23 @@ class Engine:
             self._finish(req, "length")
             return None
         cap = k_cap(req.spec.k, req.params, len(req.out), room) if row.speculates else 0
+        # A prediction is offered the widest k the cost policy prices (a request's own k policy keeps its k).
+        offer = k_cap(K_MAX, req.params, len(req.out), room) if req.predictor and req.kpolicy is None else cap
         req.governed = False
-        if not cap:  # nothing to draft (a plain request, or no room): nothing for a policy to decide
+        if not offer:  # nothing to draft (a plain request, or no room): nothing for a policy to decide
             return RowPlan(0, context=len(row.seq))
-        # A trusted lookup (hybrid) costs no draft time and is valued at the acceptance the request's
-        # lookups reach; the cost policy drafts as much of it as pays (``optional``), a request's own k
-        # policy all of it.
+        # A trusted lookup (hybrid, a prediction) costs no draft time and is valued at the acceptance the
+        # request's lookups of its kind reach; the cost policy drafts as much of it as pays (``optional``), a
+        # request's own k policy all of it.
         # Without one a hybrid row drafts with the draft model.
-        free = row.drafter.free_tokens(row.seq, cap, req.params, row.generator) if row.drafter is not None else 0
-        lookup_only = isinstance(row.drafter, HybridDrafter) and not row.model_draft
+        free = row.drafter.free_tokens(row.seq, offer, req.params, row.generator) if row.drafter is not None else 0
+        lookup_only = row.drafter is not None and row.drafter.lookups_only and not row.model_draft
         row.use_model = row.model_draft and not free
-        req.lookup = free > 0
+        req.lookup = None if not free else \
+            req.prediction_acceptance if req.predictor and req.predictor.offering else req.lookup_acceptance
         if free or lookup_only:
-            return RowPlan(cap, fixed_k=free, optional=req.kpolicy is None, fixed_rate=req.lookup_acceptance.rate,
-                           context=len(row.seq))
+            return RowPlan(max(cap, free), fixed_k=free, optional=req.kpolicy is None,
+                           fixed_rate=req.lookup.rate if req.lookup else PRIOR_ACCEPTANCE, context=len(row.seq))
         if req.kpolicy is not None:
             return RowPlan(cap, fixed_k=req.kpolicy.choose(cap), model_draft=row.use_model, context=len(row.seq))
         req.governed = True
@@ -638,8 +676,8 @@ class Engine:
             req.kpolicy.update(report.drafted[i], report.accepted[i])
         if req.governed:
             req.acceptance.update(report.drafted[i], report.accepted[i])
-        elif req.lookup:
-            req.lookup_acceptance.update(report.drafted[i], report.accepted[i])
+        elif req.lookup is not None:
+            req.lookup.update(report.drafted[i], report.accepted[i])
         if row.use_model and row.k and isinstance(row.drafter, HybridDrafter):
             row.drafter.counts["draft"] += 1
         if not req.out:  # engine time, from admission: queueing is the handle's (submitted_at)
@@ -767,12 +805,18 @@ class Engine:
             # A drafter goes back to the pool unless it was the caller's own, or its request (or its end hook)
             # failed: it may be what failed.
             drafter = req.row.drafter
+            if req.predictor is not None:
+                m = req.metrics
+                m.accepted_prediction_tokens, m.rejected_prediction_tokens = req.predictor.accepted, \
+                    req.predictor.rejected
             if drafter is not None and error is None:
                 try:
                     drafter.end(req.row.seq)
                 except Exception:  # noqa: BLE001 (the answer is complete; only this drafter is suspect)
                     logger.warning("drafter %s failed to end request %d", drafter.name, req.handle.id, exc_info=True)
                     drafter = None
+            if req.predictor is not None:  # a prediction's drafter is its request's alone
+                drafter = req.predictor.inner if drafter is not None else None
             if drafter is not None and req.drafter is None and error is None:
                 self._drafters.release(req.spec, drafter)
         m = req.metrics

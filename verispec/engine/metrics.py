@@ -78,6 +78,9 @@ class Metrics:
     stage_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))
     total_s: float = 0.0
     ttft_s: float = 0.0  # summed over requests; see mean_ttft_s
+    # Predicted outputs: drafted tokens of the prediction that verification kept / threw away.
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
 
     def record_step(self, k: int, drafted: int, accepted: int) -> None:
         self.steps += 1
@@ -125,7 +128,7 @@ class Metrics:
     def merge(self, other: Metrics) -> Metrics:
         """Add ``other``'s counts into this one (returns self)."""
         for name in ("requests", "prompt_tokens", "prefix_reused_tokens", "generated_tokens", "steps", "drafted",
-                     "accepted", "total_s", "ttft_s"):
+                     "accepted", "total_s", "ttft_s", "accepted_prediction_tokens", "rejected_prediction_tokens"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for mine, theirs in ((self.drafted_by_position, other.drafted_by_position),
                              (self.accepted_by_position, other.accepted_by_position)):

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from verispec.config import SpecConfig
 from verispec.drafters.base import Drafter
+from verispec.drafters.prediction import PredictionDrafter
 from verispec.engine.metrics import Metrics
 from verispec.engine.policy import Acceptance, FixedK, ProbeSchedule
 from verispec.engine.step import Row
@@ -107,7 +108,9 @@ class Request:
 
     ``kpolicy`` is its own k policy (fixed, heuristic), or None where the engine's cost policy
     governs it from ``acceptance`` and ``probes``; ``lookup_acceptance`` is what its trusted lookups
-    (hybrid) reach, learned whatever policy sizes them. ``drafter`` is the caller's own drafter, if any.
+    (hybrid) reach and ``prediction_acceptance`` what its prediction's runs reach, learned whatever policy
+    sizes them. ``drafter`` is the caller's own drafter, if any; ``prediction`` the predicted output's
+    tokens and ``predictor`` the row's drafter that drafts them.
     """
 
     handle: RequestHandle
@@ -120,9 +123,12 @@ class Request:
     kpolicy: FixedK | None = None
     acceptance: Acceptance = field(default_factory=Acceptance)
     lookup_acceptance: Acceptance = field(default_factory=Acceptance)
+    prediction_acceptance: Acceptance = field(default_factory=Acceptance)
     probes: ProbeSchedule = field(default_factory=ProbeSchedule)
     governed: bool = False  # the cost policy chose this step's k
-    lookup: bool = False  # this step's draft (if any) is a trusted lookup
+    lookup: Acceptance | None = None  # this step's draft is a trusted lookup: what learns from it
+    prediction: list[int] | None = None
+    predictor: PredictionDrafter | None = None
     row: Row | None = None
     out: list[int] = field(default_factory=list)
     prefilled: bool = False

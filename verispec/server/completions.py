@@ -22,6 +22,7 @@ from verispec.server.limits import utf8_len
 from verispec.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    CompletionTokensDetails,
     SpeculativeOptions,
     SpeculativeUsage,
     Usage,
@@ -150,7 +151,15 @@ async def _prepare(state: ServerState, request: Request, body: CompletionRequest
     except VerispecError as e:
         raise APIError(400, str(e)) from None
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    gen = GenRequest(request_id, prompt_ids, params, spec)
+    prediction = None
+    if body.prediction is not None:
+        try:
+            prediction = await asyncio.to_thread(state.engine.encode_prediction, body.prediction.text())
+        except VerispecError as e:
+            raise APIError(400, str(e), param="prediction") from None
+        except Exception as e:  # noqa: BLE001 (the tokenizer rejects some input, e.g. lone surrogates)
+            raise APIError(400, f"the prediction could not be tokenized: {e}", param="prediction") from None
+    gen = GenRequest(request_id, prompt_ids, params, spec, prediction)
     return _Call(kind, request_id, int(time.time()), body.model, gen, include_usage)
 
 
@@ -172,8 +181,10 @@ def _usage(call: _Call, result: GenerationResult) -> dict[str, Any]:
     spec_usage = SpeculativeUsage(path=call.gen.path, method=call.gen.method, k=spec.k if spec.enabled else 0,
                                   steps=m.steps, drafted=m.drafted, accepted=m.accepted,
                                   acceptance_rate=m.acceptance_rate, mean_accepted_length=m.mean_accepted_length)
+    details = CompletionTokensDetails(accepted_prediction_tokens=m.accepted_prediction_tokens,
+                                      rejected_prediction_tokens=m.rejected_prediction_tokens)
     return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                 speculative=spec_usage).model_dump()
+                 completion_tokens_details=details, speculative=spec_usage).model_dump()
 
 
 def _error_from(event: FailedEvent) -> APIError:

@@ -90,6 +90,8 @@ class ServerMetrics:
                                             "an earlier request left their KV in the cache (prefix reuse).", LABELS,
                                             registry=r)
         self.generation_tokens = Counter("verispec:generation_tokens", "Tokens generated.", LABELS, registry=r)
+        self.prediction_tokens = Counter("verispec:prediction_tokens", "Drafted tokens of predicted outputs, by "
+                                         "outcome (accepted, rejected).", (*LABELS, "outcome"), registry=r)
         self.ttft = Histogram("verispec:time_to_first_token_seconds", "From arrival to the first generated token.",
                               LABELS, buckets=_LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("verispec:inter_token_latency_seconds", "Time per output token between successive "
@@ -179,6 +181,9 @@ class ServerMetrics:
         self.prefix_reused_tokens.labels(*labels).inc(m.prefix_reused_tokens)
         self.generation_tokens.labels(*labels).inc(len(result.token_ids))
         self.num_steps.labels(*labels).inc(m.steps)
+        for outcome, n in (("accepted", m.accepted_prediction_tokens), ("rejected", m.rejected_prediction_tokens)):
+            if n:
+                self.prediction_tokens.labels(*labels, outcome).inc(n)
         if m.drafted:
             self.num_drafts.labels(*labels).inc(m.drafted_by_position[0] if m.drafted_by_position else 0)
             self.num_draft_tokens.labels(*labels).inc(m.drafted)

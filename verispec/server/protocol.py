@@ -31,6 +31,26 @@ class SpeculativeOptions(BaseModel):
     k: StrictInt | None = Field(None, ge=1, le=64, description="draft tokens per step")
 
 
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class Prediction(BaseModel):
+    """OpenAI's predicted output: text the answer is expected to repeat (a string or a list of text parts).
+
+    Runs of it that the answer repeats are drafted and verified in bulk; the answer stays the model's.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["content"]
+    content: str | list[TextPart]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
 class StreamOptions(BaseModel):
     include_usage: StrictBool = Field(False, description="send a last chunk with usage before [DONE]")
 
@@ -53,6 +73,7 @@ class _GenerationRequest(BaseModel):
     user: str | None = Field(None, description="end-user id; also the canary routing key")
     ignore_eos: StrictBool = Field(False, description="extension: keep generating past the end-of-sequence token")
     speculative: SpeculativeOptions | None = None
+    prediction: Prediction | None = Field(None, description="predicted output: drafted where the answer repeats it")
     presence_penalty: StrictFloat | None = None
     frequency_penalty: StrictFloat | None = None
 
@@ -96,11 +117,6 @@ class CompletionRequest(_GenerationRequest):
         if isinstance(p, list) and p and isinstance(p[0], str | list):
             return p[0]
         return p
-
-
-class TextPart(BaseModel):
-    type: Literal["text"]
-    text: str
 
 
 class ChatMessage(BaseModel):
@@ -158,10 +174,19 @@ class SpeculativeUsage(BaseModel):
     mean_accepted_length: float = Field(description="tokens per target forward, bonus token included")
 
 
+class CompletionTokensDetails(BaseModel):
+    """OpenAI's breakdown of completion tokens: the predicted output's drafted tokens that verification kept
+    and those it threw away (0 without a prediction)."""
+
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    completion_tokens_details: CompletionTokensDetails = Field(default_factory=CompletionTokensDetails)
     speculative: SpeculativeUsage | None = None
 
 

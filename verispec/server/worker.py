@@ -43,6 +43,7 @@ class GenRequest:
     prompt_ids: list[int]
     params: SamplingParams
     spec: SpecConfig  # verispec.config.PLAIN on the plain path
+    prediction: list[int] | None = None  # a predicted output's token ids
     arrival: float = field(default_factory=time.perf_counter)
 
     @property
@@ -286,7 +287,7 @@ class EngineWorker:
             self._done(job, FinishedEvent(cancelled_result(req)), None)
             return
         try:
-            job.handle = self.engine.submit(req.prompt_ids, req.params, req.spec,
+            job.handle = self.engine.submit(req.prompt_ids, req.params, req.spec, prediction=req.prediction,
                                             on_tokens=lambda tokens: self._on_tokens(job, tokens))
         except Exception as e:  # noqa: BLE001 (reported to the client, the worker carries on)
             if not isinstance(e, VerispecError):
