@@ -419,3 +419,34 @@ def test_cli_refuses_bad_settings_before_loading(pair: tuple[str, str], tmp_path
     assert main([*base[:-4], "--dataset", "spec_bench", "--spec-bench", str(sb), "--categories", "qa,rug"]) == 2
     err = capsys.readouterr().err
     assert "k must be int" in err and "unknown peer" in err and "unknown Spec-Bench categories rug" in err
+
+
+def test_predictions_in_datasets_and_methods(pair: tuple[str, str], tmp_path: Path) -> None:
+    assert parse_method("hybrid:predict=1").predict == "own" and parse_method("hybrid:k=3,predict=other").spec.k == 3
+    plain_predicted = parse_method("none:predict=1")
+    assert plain_predicted.spec == PLAIN and plain_predicted.predict == "own" and not plain_predicted.is_baseline
+    assert parse_method("hybrid:predict=0").predict == ""
+    for bad in ("hybrid:predict=yes", "none:predict=1,k=2"):
+        with pytest.raises(VerispecError):
+            parse_method(bad)
+    edits = datasets.load("code_edit,code_edit_polyglot")
+    assert len(edits) == 51 and all(p.prediction and p.prediction in p.text for p in edits)
+    with pytest.raises(VerispecError, match="prediction"):
+        datasets.jsonl(_write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "a", "prediction": 3}]))
+
+    data = _write_jsonl(tmp_path / "edits.jsonl", [
+        {"id": "e1", "category": "edit", "prompt": "def add ( x , y ) : return x + y", "prediction": "x + y"},
+        {"id": "e2", "category": "edit", "prompt": "write code to print hello world", "prediction": "print ( 1 )"},
+    ])
+    out = tmp_path / "out"
+    assert main(["bench", "--model", pair[0], "--draft", pair[1], "--dataset", f"jsonl:{data}", "--methods",
+                 "none,hybrid,hybrid:predict=1,hybrid:predict=other,none:predict=1", "--max-tokens", "12",
+                 "--dtype", "float32", "--max-len", str(MAX_LEN), "--out", str(out), "--no-progress"]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert {m["label"]: m["predict"] for m in report["methods"]} == {
+        BASELINE: "", "hybrid": "", "hybrid:predict=1": "own", "hybrid:predict=other": "other",
+        "none:predict=1": "own"}
+    tokens = {}
+    for r in report["records"]:
+        tokens.setdefault(r["item"], set()).add(tuple(r["token_ids"]))
+    assert all(len(outputs) == 1 for outputs in tokens.values())  # greedy: every method the same tokens

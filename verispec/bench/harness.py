@@ -51,6 +51,7 @@ class Item:
     payload: Payload  # text, or chat messages for a follow-up turn
     chat: bool
     prediction: str | None = None  # the predicted output, for methods that send one
+    unrelated: str | None = None  # another prompt's prediction, for methods that send an unrelated one
 
     def as_dict(self) -> dict[str, Any]:
         return {"index": self.index, "prompt_id": self.prompt_id, "category": self.category, "turn": self.turn,
@@ -84,10 +85,11 @@ Generate = Callable[[Item, SamplingParams], GenerationResult]
 """How a method generates one item: the engine with a SpecConfig, or a peer library."""
 
 
-def engine_generate(engine: Engine, spec: Any, predict: bool = False) -> Generate:
-    """A :data:`Generate` for ``engine`` decoding with ``spec`` (and, with ``predict``, the item's prediction)."""
+def engine_generate(engine: Engine, spec: Any, predict: str = "") -> Generate:
+    """A :data:`Generate` for ``engine`` decoding with ``spec`` and, with ``predict``, the item's own ("own") or an
+    unrelated ("other") prediction."""
     def gen(item: Item, params: SamplingParams) -> GenerationResult:
-        prediction = item.prediction if predict else None
+        prediction = {"own": item.prediction, "other": item.unrelated}.get(predict)
         return engine.generate(item.payload, params, spec, chat=item.chat, prediction=prediction)[0]
     return gen
 
@@ -144,8 +146,11 @@ class BenchRunner:
         items: list[Item] = []
         records: dict[str, list[Record]] = {label: [] for label in methods}
         warm = True
-        for p in tqdm(prompts, desc="prompts", unit="prompt", disable=not self.progress or None):
-            item = Item(len(items), p.id, p.category, 1, p.text, p.chat, p.prediction)
+        predictions = [p.prediction for p in prompts]
+        for j, p in enumerate(tqdm(prompts, desc="prompts", unit="prompt", disable=not self.progress or None)):
+            # The next prompt's prediction that is not this one's: what an unrelated prediction looks like.
+            unrelated = next((x for x in predictions[j + 1:] + predictions[:j] if x and x != p.prediction), None)
+            item = Item(len(items), p.id, p.category, 1, p.text, p.chat, p.prediction, unrelated)
             messages = [{"role": "user", "content": p.text}]
             for turn, follow in enumerate((None, *p.followups), start=1):
                 if follow is not None:

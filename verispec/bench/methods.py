@@ -6,8 +6,9 @@ Examples: ``none``, ``draft``, ``draft:k=3``, ``draft:policy=cost``, ``layerskip
 (the full head and the whole prompt), ``suffix:global=0,min_prob=0.2`` (suffix decoding over the request
 alone, drafting only paths of probability 0.2 or more), ``hybrid:lookup=suffix`` (hybrid with the suffix
 drafter as its context lookup), ``suffix:width=3`` (suffix drafts as token trees of up to 3 ways per node),
-``hybrid:predict=1`` (the default with each prompt's predicted output, where its dataset has one) and
-``none:predict=1`` (plain decoding plus the prediction alone).
+``hybrid:predict=1`` (the default with each prompt's predicted output, where its dataset has one),
+``hybrid:predict=other`` (with another prompt's: an unrelated prediction) and ``none:predict=1`` (plain
+decoding plus the prediction alone).
 An option a string leaves out takes the run's defaults: :data:`~verispec.config.DEFAULT_SPEC` (what
 ``verispec generate`` runs), as ``bench``'s -k, --k-policy, --confidence, --draft-vocab and
 --draft-window change it; so ``draft`` is the draft model under the default cost policy, and
@@ -63,7 +64,9 @@ class Method:
     spec: SpecConfig
     explicit_k: bool = False  # the string set k itself (a k sweep leaves such methods alone)
     from_sweep: bool = False  # added by --k-sweep rather than asked for by name
-    predict: bool = False  # send each prompt's predicted output (datasets with a ``prediction`` field)
+    # Send each prompt's predicted output ("own") or another prompt's ("other"); "": none. Datasets with a
+    # ``prediction`` field have them.
+    predict: str = ""
 
     @property
     def is_baseline(self) -> bool:
@@ -87,7 +90,7 @@ def parse_method(text: str, defaults: SpecConfig = DEFAULT_SPEC) -> Method:
     if name in ("none", BASELINE):
         if opts.strip():
             raise VerispecError(f"method '{text}': plain decoding takes no options but predict")
-        return Method(text, PLAIN, predict=True) if predict else Method(BASELINE, PLAIN)
+        return Method(text, PLAIN, predict=predict) if predict else Method(BASELINE, PLAIN)
     if name not in METHODS:
         raise VerispecError(f"unknown method '{name}' in '{text}' (choose from {', '.join(METHODS)})")
     values: dict[str, Any] = {"method": name}
@@ -114,15 +117,18 @@ def parse_method(text: str, defaults: SpecConfig = DEFAULT_SPEC) -> Method:
 PREDICT_KEYS = ("predict", "prediction")
 
 
-def _predict_option(text: str, opts: str) -> bool:
-    """The ``predict=0|1`` option of a method string (False when absent)."""
-    value = False
+PREDICT_VALUES = {"0": "", "1": "own", "own": "own", "other": "other"}
+
+
+def _predict_option(text: str, opts: str) -> str:
+    """The ``predict`` option of a method string: "own" (1), "other" or "" (0, or absent)."""
+    value = ""
     for opt in opts.split(","):
         key, _, raw = opt.partition("=")
         if key.strip() in PREDICT_KEYS:
-            if raw.strip() not in ("0", "1"):
-                raise VerispecError(f"method '{text}': predict must be 0 or 1 (got '{raw.strip()}')")
-            value = raw.strip() == "1"
+            if raw.strip() not in PREDICT_VALUES:
+                raise VerispecError(f"method '{text}': predict must be 0, 1, own or other (got '{raw.strip()}')")
+            value = PREDICT_VALUES[raw.strip()]
     return value
 
 
