@@ -2,6 +2,7 @@
 
 The packaged ``code_edit`` set (HumanEval problems 20 and up, plus functions written for verispec) is the report
 split; drafting for edits is tuned on these instead, so a report never scores prompts a setting was chosen on.
+Each row's ``prediction`` is its quoted code, as in the packaged set.
 
     python bench/code_edit_tune.py > edits_tune.jsonl
     verispec bench --dataset jsonl:edits_tune.jsonl ...
@@ -37,7 +38,8 @@ def main() -> None:
         p = problems[f"HumanEval/{n}"]
         code = (p["prompt"] + p["canonical_solution"]).strip("\n")
         prompt = f"{request} Keep its name and behaviour.\n\n```python\n{code}\n```"
-        sys.stdout.write(json.dumps({"id": f"edit_tune-{n:02d}", "category": "code_edit", "prompt": prompt}) + "\n")
+        row = {"id": f"edit_tune-{n:02d}", "category": "code_edit", "prompt": prompt, "prediction": code}
+        sys.stdout.write(json.dumps(row) + "\n")
 
 
 if __name__ == "__main__":

@@ -352,6 +352,16 @@ SECTIONS: list[tuple[str, str, str, Any]] = [
     ("int4_long_q8", "The same on 8-bit activations against llama.cpp",
      "As the section above, with verispec's int4/int8 layers multiplying 8-bit activations (`--kernels q8`, "
      "AVX-512 VNNI) for plain decoding and every method; llama.cpp unchanged.", bench_section),
+    ("predicted", "Predicted outputs: code edits with the quoted code as the prediction",
+     "The int4 pair on 8-bit activations (`--kernels q8`) on the packaged `code_edit` requests, each answer run to "
+     "its end (up to 1024 tokens): verispec's defaults without a prediction (`hybrid`), with the request's quoted "
+     "function as the prediction (`hybrid:predict=1`, what a client sends as OpenAI's `prediction`), with another "
+     "request's function (`hybrid:predict=other`: an unrelated prediction) and plain decoding with the prediction "
+     "alone (`none:predict=1`), against llama.cpp plain decoding on the same GGUF. Nothing was tuned on these "
+     "prompts (the prediction drafter was looked at on the 12 edits of `bench/code_edit_tune.py`).", bench_section),
+    ("predicted_polyglot", "Predicted outputs: code edits in Go, TypeScript, Rust, SQL and bash",
+     "As the section above, on the packaged `code_edit_polyglot` requests (15 edits, three per language).",
+     bench_section),
     ("peer_spread", "Run-to-run spread of the ratios against llama.cpp",
      "`bench/peer_spread.py`: the ratios of the section above (8-bit activations), repeated to give their "
      "spread, on the packaged chat-formatted coding requests and Spec-Bench's translation and summarization "

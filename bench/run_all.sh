@@ -8,7 +8,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-docs/results}
-STEPS=${STEPS:-plain humaneval full report code_edit trees advise two_process stability concurrency prefix_reuse server sampling verify_cost kernels q8 fused_paths int4 int4_long int4_long_q8 peer_spread draft_window draft_cost load compile}
+STEPS=${STEPS:-plain humaneval full report code_edit trees advise two_process stability concurrency prefix_reuse server sampling verify_cost kernels q8 fused_paths int4 int4_long int4_long_q8 predicted predicted_polyglot peer_spread draft_window draft_cost load compile}
 V=.venv/bin/verispec
 PY=.venv/bin/python
 PAIR=(--model qwen2.5-coder-1.5b-instruct --draft qwen2.5-coder-0.5b-instruct --dtype bfloat16 --weights dense
@@ -100,6 +100,11 @@ for step in $STEPS; do
       $V bench "${INT4_PAIR[@]}" --kernels q8 --methods none,hybrid,hybrid:lookup=suffix,k=16,global=0 \
         --dataset spec_bench,humaneval:100-119,chat_code,code_edit --per-category 2 --seed 1 --max-tokens 256 \
         --peers llamacpp --peer-methods llamacpp-plain --no-progress --out "$D" ;;
+    predicted|predicted_polyglot) # code edits with their quoted code as the predicted output (and another's, an
+                  # unrelated one) against the defaults without one and llama.cpp plain; answers run to their end
+      [ "$step" = predicted ] && SET=code_edit || SET=code_edit_polyglot
+      $V bench "${INT4_PAIR[@]}" --kernels q8 --methods none,hybrid,hybrid:predict=1,hybrid:predict=other,none:predict=1 \
+        --dataset "$SET" --max-tokens 1024 --peers llamacpp --peer-methods llamacpp-plain --no-progress --out "$D" ;;
     peer_spread)  # the spread of the ratios nearest their goals: llama.cpp interleaved prompt by prompt, 3 repeats
       $PY bench/peer_spread.py --kernels q8 --repeats 3 --out "$D" ;;
     draft_window) # how much of a long prompt the draft reads (summaries, RAG) and what it costs on code

@@ -161,6 +161,28 @@ def test_suffix_trees_keep_the_int4_pair_lossless() -> None:
     assert sum(r.metrics.accepted for r in trees) > 0
 
 
+def test_predicted_outputs_keep_the_int4_pair_lossless() -> None:
+    """Code edits with their quoted code as the prediction (a correct start, then the edit's divergences), with
+    another edit's code (unrelated), on the int4 pair in the host's default dtype and kernels: greedy output is
+    plain decoding's token for token, batched and with the default speculation or none, and the prediction
+    drafts most of an answer that repeats it."""
+    _require_installed(TARGET, DRAFT)
+    engine = Engine.from_pretrained(TARGET, draft=DRAFT, weights="int4", draft_weights="int4-all", max_len=2048,
+                                    progress=False)
+    edits = datasets.load("code_edit,code_edit_polyglot")
+    edits = [edits[1], edits[5], edits[40]]  # type hints and a docstring; a rename; Rust derives
+    texts, own = [p.text for p in edits], [p.prediction for p in edits]
+    params = SamplingParams(max_tokens=160)
+    plain = [r.token_ids for r in engine.generate(texts, params, chat=True)]
+    for spec in (DEFAULT_SPEC, None):
+        for predictions in (own, own[1:] + own[:1]):
+            out = engine.generate(texts, params, spec, chat=True, prediction=predictions)
+            assert [r.token_ids for r in out] == plain
+            if predictions is own:
+                accepted = sum(r.metrics.accepted_prediction_tokens for r in out)
+                assert accepted > 0.5 * sum(len(t) for t in plain), accepted
+
+
 def test_batched_greedy_equals_each_request_alone_on_real_pair(pair: Engine) -> None:
     # Rows of different prompt lengths (Spec-Bench's six categories, RAG and summaries long, plus two
     # short prompts) and limits, each drafting its own way (draft model at a fixed k and under the
