@@ -170,7 +170,7 @@ def test_predicted_outputs_keep_the_int4_pair_lossless() -> None:
     engine = Engine.from_pretrained(TARGET, draft=DRAFT, weights="int4", draft_weights="int4-all", max_len=2048,
                                     progress=False)
     edits = datasets.load("code_edit,code_edit_polyglot")
-    edits = [edits[1], edits[5], edits[40]]  # type hints and a docstring; a rename; Rust derives
+    edits = [edits[1], edits[43], edits[44]]  # Python type hints and a docstring; Rust derives; a Rust rename
     texts, own = [p.text for p in edits], [p.prediction for p in edits]
     params = SamplingParams(max_tokens=160)
     plain = [r.token_ids for r in engine.generate(texts, params, chat=True)]
@@ -180,7 +180,7 @@ def test_predicted_outputs_keep_the_int4_pair_lossless() -> None:
             assert [r.token_ids for r in out] == plain
             if predictions is own:
                 accepted = sum(r.metrics.accepted_prediction_tokens for r in out)
-                assert accepted > 0.5 * sum(len(t) for t in plain), accepted
+                assert accepted > 0.3 * sum(len(t) for t in plain), accepted
 
 
 def test_batched_greedy_equals_each_request_alone_on_real_pair(pair: Engine) -> None:
