@@ -115,8 +115,6 @@ def parse_method(text: str, defaults: SpecConfig = DEFAULT_SPEC) -> Method:
 
 
 PREDICT_KEYS = ("predict", "prediction")
-
-
 PREDICT_VALUES = {"0": "", "1": "own", "own": "own", "other": "other"}
 
 

@@ -42,7 +42,7 @@ from verispec.engine.compiled import compile_model
 from verispec.engine.costs import PROFILE_K, CostModel, profile_costs
 from verispec.engine.draft_runner import MAX_LOCKSTEP_FEED, DraftRunner
 from verispec.engine.metrics import Metrics
-from verispec.engine.policy import PRIOR_ACCEPTANCE, AnswerLengths, CostPolicy, RowPlan, request_policy
+from verispec.engine.policy import AnswerLengths, CostPolicy, RowPlan, request_policy
 from verispec.engine.prefix import SlotPrefixes, held_tokens
 from verispec.engine.request import GenerationResult, OnTokens, Request, RequestHandle
 from verispec.engine.scheduler import Scheduler
@@ -612,11 +612,11 @@ class Engine:
         free = row.drafter.free_tokens(row.seq, offer, req.params, row.generator) if row.drafter is not None else 0
         lookup_only = row.drafter is not None and row.drafter.lookups_only and not row.model_draft
         row.use_model = row.model_draft and not free
-        req.lookup = None if not free else \
-            req.prediction_acceptance if req.predictor and req.predictor.offering else req.lookup_acceptance
+        source = req.prediction_acceptance if req.predictor and req.predictor.offering else req.lookup_acceptance
+        req.lookup = source if free else None
         if free or lookup_only:
-            return RowPlan(max(cap, free), fixed_k=free, optional=req.kpolicy is None,
-                           fixed_rate=req.lookup.rate if req.lookup else PRIOR_ACCEPTANCE, context=len(row.seq))
+            return RowPlan(max(cap, free), fixed_k=free, optional=req.kpolicy is None, fixed_rate=source.rate,
+                           context=len(row.seq))
         if req.kpolicy is not None:
             return RowPlan(cap, fixed_k=req.kpolicy.choose(cap), model_draft=row.use_model, context=len(row.seq))
         req.governed = True
