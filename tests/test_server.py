@@ -695,8 +695,9 @@ def test_cli_serve_runs_and_stops_on_interrupt(pair: tuple[str, str]) -> None:
             except httpx.TransportError:
                 return proc.poll() is not None  # stop waiting if it died
         assert wait_until(healthy, timeout=90) and proc.poll() is None, proc.communicate(timeout=5)
-        r = httpx.post(f"{base}/v1/completions", json={"model": MODEL, "prompt": "cli", "max_tokens": 4})
-        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+        r = httpx.post(f"{base}/v1/completions", json={"model": MODEL, "prompt": "cli", "max_tokens": 4,
+                                                            "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
         r = httpx.post(f"{base}/admin/spec-fraction", json={"fraction": 0.25},
                        headers={"Authorization": f"Bearer {ADMIN}"})
         assert r.json() == {"fraction": 0.25, "previous": 0.5}
