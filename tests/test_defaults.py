@@ -69,7 +69,7 @@ def test_auto_weights_follow_the_source_precision(tmp_path: Path, monkeypatch, q
 
 def test_engine_loads_a_quantized_gguf_as_int4_and_its_draft_as_int4_all(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("VERISPEC_HOME", str(tmp_path / "home"))
-    monkeypatch.setattr("verispec.engine.engine.load_tokenizer", lambda src: None)  # the tiny GGUF has none
+    monkeypatch.setattr("verispec.engine.loading.load_tokenizer", lambda src: None)  # the tiny GGUF has none
     q4 = tmp_path / "q4.gguf"
     write_gguf(q4)
     engine = Engine.from_pretrained(str(q4), draft=str(q4), dtype="float32", max_len=64, progress=False)

@@ -21,7 +21,8 @@ from verispec.bench.methods import parse_method
 from verispec.config import DEFAULT_SPEC
 from verispec.drafters import make_drafter
 from verispec.drafters.vocab import DraftVocab, linear_rows, prefix_linear, special_token_ids
-from verispec.engine.draft_runner import DraftRow, DraftRunner
+from verispec.engine.draft_runner import DraftRunner
+from verispec.engine.request import Request
 from verispec.kernels import use_fast
 from verispec.models.linear import make_linear
 from verispec.models.loader import build_model, open_source
@@ -202,12 +203,12 @@ def test_prompt_ids_are_draftable(engine):
     runner = _runner(engine)
     runner.begin(0, [40, 41, 42], N)
     assert runner._row_vocab[0][1].tolist() == [40, 41, 42]
-    runner.propose([DraftRow(0, [40, 41, 42], 2, GREEDY, None)])
+    runner.propose([Request([40, 41, 42], GREEDY, slot=0, k=2)])
     assert runner._head is not None and runner._head.extra_ids.tolist() == [40, 41, 42]
     runner.release(0)
     runner.begin(0, [3, 4], N)  # the next request's head has that request's prompt ids only
     assert runner._row_vocab[0][1].tolist() == []
-    runner.propose([DraftRow(0, [3, 4], 2, GREEDY, None)])
+    runner.propose([Request([3, 4], GREEDY, slot=0, k=2)])
     assert runner._head.extra_ids.tolist() == []
     assert runner.reduced_forwards == runner.forwards == 4
 
@@ -217,7 +218,7 @@ def test_full_size_is_a_no_op(engine):
     runner = _runner(engine)
     runner.begin(0, [40], 96)
     assert 0 not in runner._row_vocab
-    runner.propose([DraftRow(0, [40], 2, GREEDY, None)])
+    runner.propose([Request([40], GREEDY, slot=0, k=2)])
     assert runner._head is None and runner.reduced_forwards == 0 and runner.forwards == 2
 
 
@@ -241,7 +242,7 @@ def _batch_proposals(engine, vocabs: list[int | None], prompts: list[list[int]],
     runner = _runner(engine, len(prompts))
     for slot, (p, v) in enumerate(zip(prompts, vocabs, strict=True)):
         runner.begin(slot, p, v)
-    rows = [DraftRow(slot, p, k, GREEDY, None) for slot, p in enumerate(prompts)]
+    rows = [Request(p, GREEDY, slot=slot, k=k) for slot, p in enumerate(prompts)]
     out = [p.tokens for p in runner.propose(rows)]
     assert runner.reduced_forwards == (k if all(v == N for v in vocabs) else 0)
     return out
@@ -258,7 +259,7 @@ def test_each_row_drafts_what_it_drafts_alone(engine, vocabs):
     for p, v in zip(prompts, vocabs, strict=True):
         one = _runner(engine)
         one.begin(0, p, v)
-        alone.append(one.propose([DraftRow(0, p, 4, GREEDY, None)])[0].tokens)
+        alone.append(one.propose([Request(p, GREEDY, slot=0, k=4)])[0].tokens)
         assert one.reduced_forwards == (4 if v == N else 0)
     assert batched == alone
     for toks, p, v in zip(batched, prompts, vocabs, strict=True):

@@ -17,7 +17,8 @@ from verispec import SamplingParams, SpecConfig, VerispecError
 from verispec.bench.methods import parse_method
 from verispec.config import DEFAULT_SPEC, check_draft_window
 from verispec.drafters.window import SINK_TOKENS, DraftWindow
-from verispec.engine.draft_runner import DraftRow, DraftRunner
+from verispec.engine.draft_runner import DraftRunner
+from verispec.engine.request import Request
 from verispec.models.loader import build_model, open_source
 
 W = 8
@@ -74,16 +75,16 @@ def test_a_windowed_row_drafts_what_it_would_for_the_view(engine):
     assert len(view) == SINK_TOKENS + W
     assert windowed.catch_up_needed(0, LONG) == len(view) - 1  # what a k policy is charged, not len(LONG) - 1
     whole.begin(0, view)
-    first = windowed.propose([DraftRow(0, LONG, 4, GREEDY, None)])[0].tokens
-    assert first == whole.propose([DraftRow(0, view, 4, GREEDY, None)])[0].tokens and len(first) == 4
+    first = windowed.propose([Request(LONG, GREEDY, slot=0, k=4)])[0].tokens
+    assert first == whole.propose([Request(view, GREEDY, slot=0, k=4)])[0].tokens and len(first) == 4
     assert windowed.catch_up_tokens == whole.catch_up_tokens == len(view) - 1
     # One draft accepted plus the target's token; then both roll back and draft again.
     seq = [*LONG, first[0], 17]
     windowed.commit(0, len(LONG) + 1)
     whole.commit(0, len(view) + 1)
     assert windowed.cache.lengths[0] == whole.cache.lengths[0] == len(view) + 1
-    assert windowed.propose([DraftRow(0, seq, 3, GREEDY, None)])[0].tokens == \
-        whole.propose([DraftRow(0, windowed._windows[0].view(seq), 3, GREEDY, None)])[0].tokens
+    assert windowed.propose([Request(seq, GREEDY, slot=0, k=3)])[0].tokens == \
+        whole.propose([Request(windowed._windows[0].view(seq), GREEDY, slot=0, k=3)])[0].tokens
     windowed.release(0)
     windowed.begin(0, PROMPTS[0], window=W)  # the next request is short: it reads all of it
     assert windowed._windows[0] == DraftWindow()
@@ -128,12 +129,12 @@ def test_each_row_drafts_what_it_drafts_alone(engine, windows):
         runner.begin(slot, p, window=w)
         # A row lagging by its whole (windowed) prompt catches up alone: by the view's length.
         assert runner.catch_up_needed(slot, p) == len(DraftWindow.for_prompt(len(p), w).view(p)) - 1
-    batched = [p.tokens for p in runner.propose([DraftRow(s, p, 4, GREEDY, None) for s, p in enumerate(prompts)])]
+    batched = [p.tokens for p in runner.propose([Request(p, GREEDY, slot=s, k=4) for s, p in enumerate(prompts)])]
     alone = []
     for p, w in zip(prompts, windows, strict=True):
         one = _one_slot(engine)
         one.begin(0, p, window=w)
-        alone.append(one.propose([DraftRow(0, p, 4, GREEDY, None)])[0].tokens)
+        alone.append(one.propose([Request(p, GREEDY, slot=0, k=4)])[0].tokens)
     assert batched == alone
     for slot, (p, w) in enumerate(zip(prompts, windows, strict=True)):
         runner.commit(slot, len(p) + 1)

@@ -21,6 +21,7 @@ from drafters_common import (
     sampled_first_two,
 )
 
+import verispec.drafters
 import verispec.engine.engine
 from verispec import Engine, SamplingParams, SpecConfig, VerispecError
 from verispec.drafters.base import Drafter, Proposal
@@ -28,8 +29,9 @@ from verispec.drafters.hybrid import HybridDrafter
 from verispec.drafters.ngram import NgramDrafter
 from verispec.drafters.retrieval import RetrievalDrafter
 from verispec.engine.costs import CostCurve, CostModel
-from verispec.engine.draft_runner import MAX_LOCKSTEP_FEED, DraftRow, DraftRunner
+from verispec.engine.draft_runner import MAX_LOCKSTEP_FEED, DraftRunner
 from verispec.engine.policy import Acceptance
+from verispec.engine.request import Request
 
 # -- routing, with stand-in drafters ----------------------------------------------------------
 
@@ -155,7 +157,7 @@ def test_lookup_steps_leave_the_draft_model_a_catch_up(engine):
     seq = PROMPTS[0] + [7, 8, 9]
     runner.begin(0, seq)
     assert runner.catch_up_needed(0, seq) == len(seq) - 1
-    runner.propose([DraftRow(0, seq, 2, GREEDY, None)])
+    runner.propose([Request(seq, GREEDY, slot=0, k=2)])
     runner.commit(0, len(seq))  # no draft accepted: the target's token follows seq
     assert runner.cache.lengths[0] == len(seq)
     # A lookup step then added MAX_LOCKSTEP_FEED tokens: the lockstep forward reads them, no catch-up.
@@ -164,11 +166,11 @@ def test_lookup_steps_leave_the_draft_model_a_catch_up(engine):
     longer = seq + list(range(1, MAX_LOCKSTEP_FEED + 2))
     assert runner.catch_up_needed(0, longer) == MAX_LOCKSTEP_FEED
     before = runner.catch_up_tokens
-    got = runner.propose([DraftRow(0, longer, 3, GREEDY, None)])[0].tokens
+    got = runner.propose([Request(longer, GREEDY, slot=0, k=3)])[0].tokens
     assert runner.catch_up_tokens - before == MAX_LOCKSTEP_FEED
     cold = DraftRunner(engine.draft, 1, 64, vocab)
     cold.begin(0, longer)
-    assert got == cold.propose([DraftRow(0, longer, 3, GREEDY, None)])[0].tokens
+    assert got == cold.propose([Request(longer, GREEDY, slot=0, k=3)])[0].tokens
 
 
 def test_lookups_run_where_the_cost_policy_keeps_the_model_plain(engine, plain, monkeypatch):
@@ -217,11 +219,11 @@ def test_lookups_are_valued_at_the_acceptance_their_request_reached(engine, plai
     priced = engine.with_config(costs=CostModel(CostCurve({1: 0.1, 1024: 0.1}, smoothing=0),
                                                 CostCurve({1: 10.0, 64: 10.0}, smoothing=0)))
     events: list[tuple] = []
-    plan, advance = verispec.engine.engine.Engine._plan, verispec.engine.engine.Engine._advance
+    plan, advance = verispec.engine.engine.plan_row, verispec.engine.engine.Engine._advance
 
-    def planning(self, req):
-        got = plan(self, req)
-        if got is not None and req.lookup:
+    def planning(req, *args):
+        got = plan(req, *args)
+        if req.lookup:
             events.append(("plan", id(req), got.fixed_rate))
         return got
 
@@ -230,7 +232,7 @@ def test_lookups_are_valued_at_the_acceptance_their_request_reached(engine, plai
             events.append(("step", id(req), report.drafted[i], report.accepted[i]))
         return advance(self, req, report, i, now)
 
-    monkeypatch.setattr(verispec.engine.engine.Engine, "_plan", planning)
+    monkeypatch.setattr(verispec.engine.engine, "plan_row", planning)
     monkeypatch.setattr(verispec.engine.engine.Engine, "_advance", advancing)
     results = priced.generate(PROMPTS, GREEDY, spec)
     assert [r.token_ids for r in results] == plain
@@ -270,7 +272,7 @@ def test_the_draft_model_stays_consistent_across_lookup_steps(engine, plain, mon
         for r, p in zip(rows, got, strict=True):
             cold = DraftRunner(runner.model, 1, runner.cache.max_len, vocab)
             cold.begin(0, r.seq)
-            assert p.tokens == cold.propose([DraftRow(0, r.seq, r.k, r.params, None)])[0].tokens
+            assert p.tokens == cold.propose([Request(r.seq, r.params, slot=0, k=r.k)])[0].tokens
             checked += 1
         return got
 
@@ -348,7 +350,7 @@ def test_hybrid_sampling_is_exact(small_vocab_target, small_vocab_close_draft, m
         built.append(hybrid)
         return hybrid
 
-    monkeypatch.setattr(verispec.engine.engine, "make_drafter", with_memory_store)
+    monkeypatch.setattr(verispec.drafters, "make_drafter", with_memory_store)
     counts = sampled_first_two(engine, prompt, params, SpecConfig(k_policy="fixed", method="hybrid", k=3), 1200)
     tally = sum((h.counts for h in built), Counter())
     assert tally["ngram"] > 0 and tally["draft"] > 0

@@ -17,8 +17,8 @@ from drafters_common import (
 
 from verispec import SamplingParams, SpecConfig, VerispecError
 from verispec.drafters.layerskip import LayerSkipDrafter, default_layers
-from verispec.engine.metrics import Metrics
-from verispec.engine.step import Row, speculative_step
+from verispec.engine.request import Request
+from verispec.engine.step import speculative_step
 
 N_LAYERS = 4
 
@@ -95,7 +95,7 @@ def test_shared_cache_invariant(engine, deep):
         # The drafts' shallow K/V went past the valid length, where verification overwrites them.
         assert not torch.equal(ck[:layers, :, :, start:start + k], k_before[:layers, :, :, start:start + k])
 
-        row = Row(0, seq, GREEDY, None, Metrics(), drafter=drafter, k=k)
+        row = Request(seq, GREEDY, slot=0, drafter=drafter, k=k)
         new = speculative_step(deep, cache, [row], None).new_tokens[0]
         seq += new
         assert cache.lengths[0] == len(seq) - 1

@@ -9,7 +9,8 @@ from drafters_common import build_tok_model
 
 from verispec import Engine, SamplingParams, SpecConfig
 from verispec.drafters.base import Drafter, Proposal
-from verispec.engine.draft_runner import DraftRow, DraftRunner
+from verispec.engine.draft_runner import DraftRunner
+from verispec.engine.request import Request
 from verispec.engine.stopping import StepTokens
 
 # The draft model is the target itself: every draft is accepted, so each step is k drafts and one bonus token.
@@ -67,7 +68,7 @@ class WrongSecond(Drafter):
         self.inner.begin(0, prompt)
 
     def propose(self, seq, k, params, generator) -> Proposal:
-        tokens = list(self.inner.propose([DraftRow(0, seq, k, params, generator)])[0].tokens)
+        tokens = list(self.inner.propose([Request(seq, params, slot=0, k=k, generator=generator)])[0].tokens)
         if len(tokens) > 1:
             tokens[1] = (tokens[1] + 1) % self.vocab
         return Proposal(tokens)

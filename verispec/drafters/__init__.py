@@ -12,7 +12,7 @@ if TYPE_CHECKING:
     from verispec.drafters.datastore import Datastore
     from verispec.drafters.suffix import SuffixDrafter
 
-__all__ = ["DraftContext", "Drafter", "Proposal", "make_drafter"]
+__all__ = ["DraftContext", "Drafter", "DrafterPool", "Proposal", "make_drafter"]
 
 
 def make_drafter(spec: SpecConfig, ctx: DraftContext) -> Drafter | None:
@@ -101,3 +101,22 @@ def _make_hybrid(spec: SpecConfig, ctx: DraftContext) -> Drafter:
     retrieval = RetrievalDrafter(_open_datastore(spec, ctx)) if spec.datastore else None
     lookup = _make_suffix(spec, ctx) if spec.lookup == "suffix" else NgramDrafter(spec.ngram_max, spec.ngram_min)
     return HybridDrafter(lookup, retrieval)
+
+
+class DrafterPool:
+    """Per-row drafters (n-gram, retrieval, layer-skip, hybrid's lookups), one per running request.
+
+    Drafters keep per-sequence state, so two rows never share one; finished requests return
+    theirs for reuse (``begin`` resets it), so a drafter is built at most once per slot.
+    """
+
+    def __init__(self, ctx: DraftContext) -> None:
+        self.ctx = ctx
+        self.free: dict[str, list[Drafter]] = {}
+
+    def acquire(self, spec: SpecConfig) -> Drafter | None:
+        pool = self.free.setdefault(spec.drafter_key, [])
+        return pool.pop() if pool else make_drafter(spec, self.ctx)
+
+    def release(self, spec: SpecConfig, drafter: Drafter) -> None:
+        self.free.setdefault(spec.drafter_key, []).append(drafter)

@@ -99,6 +99,9 @@ class Drafter(ABC):
         Called once per completed request, after its last :meth:`commit`; not for a request that failed.
         """
 
+    def model_drafted(self) -> None:  # noqa: B027 (optional hook)
+        """The engine's draft model drafted this step, not this drafter (one that tallies its sources counts it)."""
+
     def free_tokens(self, seq: list[int], k: int, params: SamplingParams, generator: torch.Generator | None) -> int:
         """How many tokens (at most ``k``) this drafter would propose here at no draft cost and trusts.
 

@@ -33,7 +33,7 @@ class HybridDrafter(Drafter):
     A lookup reports its match length in ``last_match`` and the longest it looks for in ``max_n``.
     Every sub-drafter sees every :meth:`begin`, :meth:`commit` and :meth:`end`, drafted or not.
     ``counts`` tallies which source drafted each step, by its name ("ngram" or "suffix",
-    "retrieval"; the engine adds "draft" for the steps its draft model drafted).
+    "retrieval", and "draft" for the steps the engine's draft model drafted).
     """
 
     name = "hybrid"
@@ -51,6 +51,9 @@ class HybridDrafter(Drafter):
         best = self._best_lookup(seq, k, params, generator)
         self._offered = (len(seq), best)
         return 0 if best is None else len(best[1].tokens)
+
+    def model_drafted(self) -> None:
+        self.counts["draft"] += 1
 
     def _subs(self) -> list[Drafter]:
         return [d for d in (self.lookup, self.retrieval) if d is not None]

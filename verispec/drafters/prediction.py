@@ -109,6 +109,10 @@ class PredictionDrafter(Drafter):
         if self.inner is not None:
             self.inner.end(seq)
 
+    def model_drafted(self) -> None:
+        if self.inner is not None:
+            self.inner.model_drafted()
+
     def _run(self, seq: list[int], k: int) -> Proposal | None:
         """The prediction's tokens from the cursor aligned with ``seq`` (at most ``k``), or None: none trusted."""
         if k <= 0:

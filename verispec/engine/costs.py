@@ -12,12 +12,16 @@ from __future__ import annotations
 import statistics
 from bisect import bisect_left
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from verispec.engine.metrics import seconds_of
 from verispec.models.kv_cache import KVCache
 from verispec.models.llama import Transformer
+
+if TYPE_CHECKING:
+    from verispec.engine.step import StepReport
 
 # The widest k a cost model is profiled for when nobody asks for more. A request's k never sizes
 # a profile others would wait for: a larger k is priced by extending the measured curve.
@@ -186,6 +190,24 @@ class CostModel:
     def __post_init__(self) -> None:
         if isinstance(self.target, CostCurve):
             self.target = RowCurves({1: self.target})
+
+    def observe_step(self, report: StepReport) -> None:
+        """Learn from one step's measured stages: the target forward, the draft forwards and catch-ups."""
+        self.observe_target(report.scored_tokens, report.score_s, report.context, report.span)
+        self.observe_catch_up(report.catch_ups, report.catch_up_tokens, report.catch_up_s)
+        if self.draft is not None and report.draft_forwards:
+            per_forward = (report.propose_s - report.catch_up_s) / report.draft_forwards
+            self.observe_draft(report.span, per_forward, report.context)
+
+    def describe(self) -> str:
+        """One line: the curves' points in milliseconds, and each further position's cost."""
+        def fmt(points: dict[int, float]) -> str:
+            return ", ".join(f"{t}:{s * 1e3:.1f}ms" for t, s in sorted(points.items()))
+
+        target = "; ".join(f"{b} rows {fmt(curve.points)}" for b, curve in sorted(self.target.curves.items()))
+        return (f"costs at {self.per_position.context}-token context: target {target}, draft "
+                f"{fmt(self.draft.points) if self.draft else '-'}; per token and further position: target "
+                f"{self.per_position.target_s:.2g} s, draft {self.per_position.draft_s:.2g} s")
 
     def target_s(self, tokens: int, context: int = 0, rows: int = 1) -> float:
         """Predicted seconds of a target forward of ``rows`` rows scoring ``tokens`` tokens in all, that

@@ -25,6 +25,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -40,19 +41,33 @@ from verispec.sampling import SamplingParams, probs_from_logits, sample
 MAX_LOCKSTEP_FEED = 3
 
 
-@dataclass
-class DraftRow:
-    """One row's drafting request: its slot, full sequence, k and sampling settings."""
+class DraftingRow(Protocol):
+    """What the runner reads of a row (an engine :class:`~verispec.engine.request.Request`): its slot,
+    full sequence, k, sampling settings and generator, and the confidence below which it stops drafting."""
 
     slot: int
     seq: list[int]
     k: int
     params: SamplingParams
     generator: torch.Generator | None
-    min_confidence: float = 0.0  # stop drafting once the top probability falls below this
+    min_confidence: float
+
+
+@dataclass(eq=False)
+class _Draft:
+    """One row's draft while the runner makes it."""
+
+    row: DraftingRow
+    generator: torch.Generator | None
     tokens: list[int] = field(default_factory=list)
     probs: list[torch.Tensor] = field(default_factory=list)
     done: bool = False
+
+    slot = property(lambda self: self.row.slot)
+    seq = property(lambda self: self.row.seq)
+    k = property(lambda self: self.row.k)
+    params = property(lambda self: self.row.params)
+    min_confidence = property(lambda self: self.row.min_confidence)
 
 
 class DraftRunner:
@@ -127,7 +142,7 @@ class DraftRunner:
         self._row_vocab.pop(slot, None)
         self._windows.pop(slot, None)
 
-    def _head_for(self, rows: list[DraftRow]) -> tuple[SubsetHead | None, dict[int, tuple[int, torch.Tensor]]]:
+    def _head_for(self, rows: list[_Draft]) -> tuple[SubsetHead | None, dict[int, tuple[int, torch.Tensor]]]:
         """The head for a forward drafting ``rows`` and the slots whose logits must be cut to their own subset."""
         vocabs = [self._row_vocab.get(r.slot) for r in rows]
         reduced = {r.slot: v for r, v in zip(rows, vocabs, strict=True) if v is not None}
@@ -170,9 +185,10 @@ class DraftRunner:
         return self._windows.get(slot) or DraftWindow()
 
     @torch.inference_mode()
-    def propose(self, rows: list[DraftRow]) -> list[Proposal]:
+    def propose(self, requests: list[DraftingRow]) -> list[Proposal]:
         """Draft up to ``row.k`` tokens for every row; one proposal per row, in order."""
         device, lengths = self.model.device, self.cache.lengths
+        rows = [_Draft(r, r.generator if r.params.greedy else self._generator(r.slot, r.generator)) for r in requests]
         feeds: dict[int, list[int]] = {}
         head, cut = self._head_for([r for r in rows if r.k > 0])
         # Only name the head when there is one: a compiled forward (engine.compiled) takes no head argument.
@@ -180,8 +196,6 @@ class DraftRunner:
         for r in rows:
             if r.k <= 0:
                 continue
-            if not r.params.greedy:
-                r.generator = self._generator(r.slot, r.generator)
             seq = self._window(r.slot).view(r.seq)
             start = min(lengths[r.slot], len(seq) - 1)
             lengths[r.slot] = start
@@ -236,7 +250,7 @@ class DraftRunner:
         return [Proposal(r.tokens, torch.stack(r.probs) if r.probs else None) for r in rows]
 
     @staticmethod
-    def _pick(rows: list[DraftRow], logits: torch.Tensor) -> None:
+    def _pick(rows: list[_Draft], logits: torch.Tensor) -> None:
         # Each row's choice depends on its own logits only, so a row drafts the same tokens alone or in
         # a batch; greedy rows share one argmax (one device sync for the whole batch).
         greedy = [i for i, r in enumerate(rows) if r.params.greedy]

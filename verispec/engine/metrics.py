@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from dataclasses import asdict, dataclass, field, fields
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-STAGES = ("prefill", "propose", "score", "verify")
+if TYPE_CHECKING:
+    from verispec.engine.step import StepReport
 
+STAGES = ("prefill", "propose", "score", "verify")
 
 
 def sync(device: torch.device | None = None) -> None:
@@ -148,4 +150,55 @@ class Metrics:
         d.update(acceptance_rate=self.acceptance_rate, mean_accepted_length=self.mean_accepted_length,
                  tokens_per_s=self.tokens_per_s, mean_ttft_s=self.mean_ttft_s,
                  acceptance_by_position=self.acceptance_by_position)
+        return d
+
+
+@dataclass
+class EngineStats:
+    """Engine-wide counters of an :class:`~verispec.engine.engine.Engine`: what its steps did.
+
+    ``width_steps`` counts steps by padded width (k + 1 of the widest row), ``policy_k`` the k the
+    concurrency-aware policy chose, ``rows_steps`` steps by number of rows. ``prefix_hits`` counts
+    admitted requests that kept part of their slot's cached KV, ``prefix_reused_tokens`` the prompt
+    positions of the target they did not prefill, ``prefix_draft_reused_tokens`` those the draft
+    model did not read (:mod:`verispec.engine.prefix`). Finished requests' own :class:`Metrics` are
+    merged into ``requests``.
+    """
+
+    steps: int = 0
+    step_s: float = 0.0
+    scored_tokens: int = 0
+    prefill_tokens: int = 0
+    prefill_s: float = 0.0
+    catch_up_tokens: int = 0  # context the draft model read on its own (new rows' prompts, plain stretches)
+    catch_up_s: float = 0.0
+    prefix_hits: int = 0
+    prefix_reused_tokens: int = 0
+    prefix_draft_reused_tokens: int = 0
+    rows_steps: dict[int, int] = field(default_factory=dict)
+    width_steps: dict[int, int] = field(default_factory=dict)
+    policy_k: dict[int, int] = field(default_factory=dict)
+    requests: Metrics = field(default_factory=Metrics)
+
+    def record(self, report: StepReport, policy_k: int | None) -> None:
+        self.steps += 1
+        self.step_s += report.propose_s + report.score_s + report.verify_s
+        self.scored_tokens += report.scored_tokens
+        self.catch_up_tokens += report.catch_up_tokens
+        self.catch_up_s += report.catch_up_s
+        self.rows_steps[report.rows] = self.rows_steps.get(report.rows, 0) + 1
+        self.width_steps[report.width] = self.width_steps.get(report.width, 0) + 1
+        if policy_k is not None:
+            self.policy_k[policy_k] = self.policy_k.get(policy_k, 0) + 1
+
+    @property
+    def mean_rows(self) -> float:
+        """Rows per step, over all steps (0 without steps)."""
+        return sum(b * c for b, c in self.rows_steps.items()) / self.steps if self.steps else 0.0
+
+    def summary(self) -> dict[str, Any]:
+        """Plain JSON-able counters (the merged request metrics under ``requests``)."""
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "requests"}
+        d["mean_rows"] = self.mean_rows
+        d["requests"] = self.requests.summary()
         return d

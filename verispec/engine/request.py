@@ -8,12 +8,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from verispec.config import SpecConfig
+import torch
+
+from verispec.config import PLAIN, SpecConfig
 from verispec.drafters.base import Drafter
 from verispec.drafters.prediction import PredictionDrafter
 from verispec.engine.metrics import Metrics
 from verispec.engine.policy import Acceptance, FixedK, ProbeSchedule
-from verispec.engine.step import Row
 from verispec.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -104,22 +105,38 @@ class RequestHandle:
 
 @dataclass(eq=False)
 class Request:
-    """Engine-side state of one request.
+    """One request as the engine, the scheduler, the step, the draft runner and the policy see it.
 
-    ``kpolicy`` is its own k policy (fixed, heuristic), or None where the engine's cost policy
-    governs it from ``acceptance`` and ``probes``; ``lookup_acceptance`` is what its trusted lookups
-    (hybrid) reach and ``prediction_acceptance`` what its prediction's runs reach, learned whatever policy
-    sizes them. ``drafter`` is the caller's own drafter, if any; ``prediction`` the predicted output's
-    tokens and ``predictor`` the row's drafter that drafts them.
+    ``seq`` is the prompt, then the output (``out``); while the request holds a slot, ``slot`` is
+    its row of every KV cache and ``generator`` samples it. ``drafter`` is the row's drafter (n-gram,
+    retrieval, layer-skip, the hybrid's lookups, a prediction's), ``model_draft`` whether it can draft
+    through the engine's draft model; neither means plain decoding. Before each step the engine sets
+    ``k`` and ``use_model`` (this step's draft comes from the draft model, else from ``drafter``).
+
+    ``kpolicy`` is its own k policy (fixed, heuristic), or None where the engine's cost policy governs
+    it from ``acceptance`` and ``probes``; ``lookup_acceptance`` is what its trusted lookups (hybrid)
+    reach and ``prediction_acceptance`` what its prediction's runs reach, learned whatever policy sizes
+    them. ``own_drafter`` is the caller's own drafter, if any; ``prediction`` the predicted output's
+    tokens and ``predictor`` the drafter that drafts them.
     """
 
-    handle: RequestHandle
     prompt: list[int]
-    params: SamplingParams
-    spec: SpecConfig
-    on_tokens: OnTokens | None
-    metrics: Metrics
+    params: SamplingParams = field(default_factory=SamplingParams)
+    spec: SpecConfig = PLAIN
+    handle: RequestHandle | None = None
+    on_tokens: OnTokens | None = None
+    metrics: Metrics = field(default_factory=Metrics)
+    own_drafter: Drafter | None = None
+    prediction: list[int] | None = None
+    # The row, while the request holds a slot.
+    slot: int | None = None
+    generator: torch.Generator | None = None
     drafter: Drafter | None = None
+    model_draft: bool = False
+    min_confidence: float = 0.0
+    k: int = 0
+    use_model: bool = False
+    # What the k policy knows of it.
     kpolicy: FixedK | None = None
     acceptance: Acceptance = field(default_factory=Acceptance)
     lookup_acceptance: Acceptance = field(default_factory=Acceptance)
@@ -127,9 +144,23 @@ class Request:
     probes: ProbeSchedule = field(default_factory=ProbeSchedule)
     governed: bool = False  # the cost policy chose this step's k
     lookup: Acceptance | None = None  # this step's draft is a trusted lookup: what learns from it
-    prediction: list[int] | None = None
     predictor: PredictionDrafter | None = None
-    row: Row | None = None
-    out: list[int] = field(default_factory=list)
     prefilled: bool = False
     done: bool = False
+    seq: list[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.seq = list(self.prompt)
+
+    @property
+    def out(self) -> list[int]:
+        """The output so far (a copy)."""
+        return self.seq[len(self.prompt):]
+
+    @property
+    def n_out(self) -> int:
+        return len(self.seq) - len(self.prompt)
+
+    @property
+    def speculates(self) -> bool:
+        return self.model_draft or self.drafter is not None

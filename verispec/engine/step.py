@@ -27,44 +27,18 @@ drafter or metrics change: every row is verified first, and only then are all ro
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, fields
-from typing import Any
+from dataclasses import dataclass, field
 
 import torch
 
-from verispec.drafters.base import Drafter, Proposal
-from verispec.engine.draft_runner import DraftRow, DraftRunner
-from verispec.engine.metrics import Metrics, sync
+from verispec.drafters.base import Proposal
+from verispec.engine.draft_runner import DraftRunner
+from verispec.engine.metrics import sync
+from verispec.engine.request import Request
 from verispec.models.kv_cache import KVCache
 from verispec.models.llama import Transformer
-from verispec.sampling import SamplingParams, probs_from_logits
+from verispec.sampling import probs_from_logits
 from verispec.verify import verify_greedy, verify_sampling, verify_tree_sampling
-
-
-@dataclass(eq=False)
-class Row:
-    """One sequence as the step sees it.
-
-    ``drafter`` is a per-row drafter (n-gram, retrieval, layer-skip, the lookups of hybrid);
-    ``model_draft`` rows can draft through the engine's shared :class:`DraftRunner`; neither means
-    plain decoding. Before each step the engine sets ``k`` and ``use_model``: whether this step's
-    draft comes from the draft model (else from ``drafter``). Both see every step's rollback.
-    """
-
-    slot: int
-    seq: list[int]
-    params: SamplingParams
-    generator: torch.Generator | None
-    metrics: Metrics
-    drafter: Drafter | None = None
-    model_draft: bool = False
-    min_confidence: float = 0.0
-    k: int = 0
-    use_model: bool = False
-
-    @property
-    def speculates(self) -> bool:
-        return self.model_draft or self.drafter is not None
 
 
 @dataclass
@@ -94,35 +68,16 @@ class StepReport:
 
 
 @torch.inference_mode()
-def speculative_step(target: Transformer, cache: KVCache, rows: list[Row], draft_model: DraftRunner | None,
+def speculative_step(target: Transformer, cache: KVCache, rows: list[Request], draft_model: DraftRunner | None,
                      full_span: bool = False) -> StepReport:
     """Extend every row by one speculative step; ``report.new_tokens[i]`` are row i's 1..k+1 new tokens.
 
     A row in ``report.failed`` (its drafter raised) did not step: no new tokens, cache unchanged.
     ``full_span``: the forward covers every slot (a compiled target's static shapes).
     """
-    # 1. Propose: model rows draft together in lockstep, per-row drafters one by one.
     t0 = time.perf_counter()
-    proposals = [Proposal([])] * len(rows)
-    failed: dict[int, BaseException] = {}
-    forwards_before = draft_model.forwards if draft_model is not None else 0
-    caught_before = ((draft_model.catch_ups, draft_model.catch_up_tokens, draft_model.catch_up_s)
-                     if draft_model is not None else (0, 0, 0.0))
-    model_rows = [i for i, r in enumerate(rows) if r.model_draft and r.use_model and r.k > 0]
-    if model_rows:
-        assert draft_model is not None, "model-drafting rows need the batch's draft model"
-        reqs = [DraftRow(rows[i].slot, rows[i].seq, rows[i].k, rows[i].params, rows[i].generator,
-                         rows[i].min_confidence) for i in model_rows]
-        for i, p in zip(model_rows, draft_model.propose(reqs), strict=True):
-            proposals[i] = p
-    for i, r in enumerate(rows):
-        if r.drafter is not None and not r.use_model and r.k > 0:
-            try:
-                proposals[i] = r.drafter.propose(r.seq, r.k, r.params, r.generator)
-            except Exception as e:  # noqa: BLE001 (this row's drafter: the row fails, the step goes on)
-                failed[i] = e
-    proposals = [p.cut(r.k) for p, r in zip(proposals, rows, strict=True)]
-    drafts = [p.tokens for p in proposals]
+    before = _draft_counters(draft_model)
+    proposals, failed = _propose(rows, draft_model)
     live = [i for i in range(len(rows)) if i not in failed]
     t1 = time.perf_counter()
     report = StepReport(len(rows), 0, 0, 0, t1 - t0, 0.0, 0.0, context=max(len(r.seq) for r in rows),
@@ -130,15 +85,56 @@ def speculative_step(target: Transformer, cache: KVCache, rows: list[Row], draft
                         failed=failed)
     if not live:
         return report
+    logits, lo = _score(target, cache, rows, proposals, live, full_span, report)
+    t2 = time.perf_counter()
+    report.score_s = t2 - t1
+    _verify(cache, rows, proposals, live, logits, lo, draft_model, report)
+    report.verify_s = time.perf_counter() - t2
+    after = _draft_counters(draft_model)
+    report.draft_forwards, report.catch_ups, report.catch_up_tokens = (a - b for a, b in zip(after[:3], before[:3],
+                                                                                           strict=True))
+    report.catch_up_s = after[3] - before[3]
+    # Each request waited for the whole step, so each is charged every stage's full time.
+    for r in (rows[i] for i in live if i not in failed):
+        for stage, s in (("propose", report.propose_s), ("score", report.score_s), ("verify", report.verify_s)):
+            r.metrics.stage_s[stage] += s
+    return report
 
-    # 2. Score: one forward over the slot span, each row padded to the widest k + 1.
+
+def _draft_counters(draft_model: DraftRunner | None) -> tuple[int, int, int, float]:
+    if draft_model is None:
+        return 0, 0, 0, 0.0
+    return draft_model.forwards, draft_model.catch_ups, draft_model.catch_up_tokens, draft_model.catch_up_s
+
+
+def _propose(rows: list[Request], draft_model: DraftRunner | None) -> tuple[list[Proposal], dict[int, BaseException]]:
+    """1. Propose: model rows draft together in lockstep, per-row drafters one by one; each cut to its k."""
+    proposals = [Proposal([])] * len(rows)
+    failed: dict[int, BaseException] = {}
+    model_rows = [i for i, r in enumerate(rows) if r.model_draft and r.use_model and r.k > 0]
+    if model_rows:
+        assert draft_model is not None, "model-drafting rows need the batch's draft model"
+        for i, p in zip(model_rows, draft_model.propose([rows[i] for i in model_rows]), strict=True):
+            proposals[i] = p
+    for i, r in enumerate(rows):
+        if r.drafter is not None and not r.use_model and r.k > 0:
+            try:
+                proposals[i] = r.drafter.propose(r.seq, r.k, r.params, r.generator)
+            except Exception as e:  # noqa: BLE001 (this row's drafter: the row fails, the step goes on)
+                failed[i] = e
+    return [p.cut(r.k) for p, r in zip(proposals, rows, strict=True)], failed
+
+
+def _score(target: Transformer, cache: KVCache, rows: list[Request], proposals: list[Proposal], live: list[int],
+           full_span: bool, report: StepReport) -> tuple[torch.Tensor, int]:
+    """2. Score: one forward over the slot span, each row padded to the widest k + 1; its logits, the span's start."""
     lo, hi = (0, cache.batch) if full_span else (min(rows[i].slot for i in live), max(rows[i].slot for i in live) + 1)
-    width = max(len(drafts[i]) for i in live) + 1
+    width = max(len(proposals[i].tokens) for i in live) + 1
     starts = list(cache.lengths[lo:hi])  # holes: dummies from their own length on
     tokens = torch.zeros(hi - lo, width, dtype=torch.long)
     for i in live:
-        r, d = rows[i], drafts[i]
-        real = [r.seq[-1], *d]
+        r = rows[i]
+        real = [r.seq[-1], *proposals[i].tokens]
         tokens[r.slot - lo] = torch.tensor(real + [real[-1]] * (width - len(real)))
         starts[r.slot - lo] = len(r.seq) - 1
     pos = torch.tensor(starts).unsqueeze(1) + torch.arange(width)
@@ -158,13 +154,17 @@ def speculative_step(target: Transformer, cache: KVCache, rows: list[Row], draft
     logits = target(tokens.to(target.device), pos.to(target.device), cache, kv_len=kv_len,
                     rows=slice(None) if full_span else slice(lo, hi), **tree_arg)
     sync(logits.device)  # charge the forward to "score", not to the first sync in "verify"
-    t2 = time.perf_counter()
-    report.span, report.width, report.score_s = hi - lo, width, t2 - t1
+    report.span, report.width = hi - lo, width
+    return logits, lo
 
-    # 3. Verify each row against its own slice of the logits, with its own generator (nothing changes yet).
+
+def _verify(cache: KVCache, rows: list[Request], proposals: list[Proposal], live: list[int], logits: torch.Tensor,
+            lo: int, draft_model: DraftRunner | None, report: StepReport) -> None:
+    """3. Verify each row against its own slice of the logits, with its own generator (nothing changes yet);
+    4. roll back to what was accepted: the row keeps K/V for seq[-1] and its accepted path d_a1..d_an."""
     verdicts = []
     for i in live:
-        r, d, p = rows[i], drafts[i], proposals[i]
+        r, d, p = rows[i], proposals[i].tokens, proposals[i]
         row_logits = logits[r.slot - lo, : len(d) + 1]
         if r.params.greedy:
             verdicts.append(verify_greedy(d, row_logits, p.parents))
@@ -174,15 +174,14 @@ def speculative_step(target: Transformer, cache: KVCache, rows: list[Row], draft
             q = None if p.probs is None else p.probs[: len(d)].to(row_logits.device)
             n, extra = verify_sampling(d, q, probs_from_logits(row_logits, r.params), r.generator)
             verdicts.append((list(range(n)), extra))
-    # 4. Roll back to what was accepted: the row keeps K/V for seq[-1] and its accepted path d_a1..d_an.
     for i, (path, extra) in zip(live, verdicts, strict=True):
-        r, d, n = rows[i], drafts[i], len(path)
+        r, d, n = rows[i], proposals[i].tokens, len(path)
         chain_n = next((j for j, node in enumerate(path) if node != j), n)  # the drafter's own chain, kept
         if r.drafter is not None:
             try:
                 r.drafter.commit(len(r.seq) + chain_n)
             except Exception as e:  # noqa: BLE001 (this row's drafter, as in propose: its cache stays put)
-                failed[i] = e
+                report.failed[i] = e
                 continue
         if r.model_draft and draft_model is not None:
             draft_model.commit(r.slot, len(r.seq) + chain_n)
@@ -195,18 +194,6 @@ def speculative_step(target: Transformer, cache: KVCache, rows: list[Row], draft
         report.new_tokens[i] = [d[node] for node in path] + [extra]
         report.drafted[i] = drafted
         report.accepted[i] = n
-    t3 = time.perf_counter()
-    report.verify_s = t3 - t2
-    report.draft_forwards = (draft_model.forwards - forwards_before) if draft_model is not None else 0
-    if draft_model is not None:
-        report.catch_ups = draft_model.catch_ups - caught_before[0]
-        report.catch_up_tokens = draft_model.catch_up_tokens - caught_before[1]
-        report.catch_up_s = draft_model.catch_up_s - caught_before[2]
-    # Each request waited for the whole step, so each is charged every stage's full time.
-    for r in (rows[i] for i in live if i not in failed):
-        for stage, s in (("propose", report.propose_s), ("score", report.score_s), ("verify", report.verify_s)):
-            r.metrics.stage_s[stage] += s
-    return report
 
 
 def _depth(parents: list[int]) -> int:
@@ -227,54 +214,3 @@ def _compact(cache: KVCache, row: int, first: int, path: list[int]) -> None:
     for k, v in zip(cache.k, cache.v, strict=True):  # each gather is a copy: overlapping slots are safe
         k[row, :, dst] = k[row, :, src]
         v[row, :, dst] = v[row, :, src]
-
-
-@dataclass
-class EngineStats:
-    """Engine-wide counters of an :class:`~verispec.engine.engine.Engine`: what its steps did.
-
-    ``width_steps`` counts steps by padded width (k + 1 of the widest row), ``policy_k`` the k the
-    concurrency-aware policy chose, ``rows_steps`` steps by number of rows. ``prefix_hits`` counts
-    admitted requests that kept part of their slot's cached KV, ``prefix_reused_tokens`` the prompt
-    positions of the target they did not prefill, ``prefix_draft_reused_tokens`` those the draft
-    model did not read (:mod:`verispec.engine.prefix`). Finished requests' own :class:`Metrics` are
-    merged into ``requests``.
-    """
-
-    steps: int = 0
-    step_s: float = 0.0
-    scored_tokens: int = 0
-    prefill_tokens: int = 0
-    prefill_s: float = 0.0
-    catch_up_tokens: int = 0  # context the draft model read on its own (new rows' prompts, plain stretches)
-    catch_up_s: float = 0.0
-    prefix_hits: int = 0
-    prefix_reused_tokens: int = 0
-    prefix_draft_reused_tokens: int = 0
-    rows_steps: dict[int, int] = field(default_factory=dict)
-    width_steps: dict[int, int] = field(default_factory=dict)
-    policy_k: dict[int, int] = field(default_factory=dict)
-    requests: Metrics = field(default_factory=Metrics)
-
-    def record(self, report: StepReport, policy_k: int | None) -> None:
-        self.steps += 1
-        self.step_s += report.propose_s + report.score_s + report.verify_s
-        self.scored_tokens += report.scored_tokens
-        self.catch_up_tokens += report.catch_up_tokens
-        self.catch_up_s += report.catch_up_s
-        self.rows_steps[report.rows] = self.rows_steps.get(report.rows, 0) + 1
-        self.width_steps[report.width] = self.width_steps.get(report.width, 0) + 1
-        if policy_k is not None:
-            self.policy_k[policy_k] = self.policy_k.get(policy_k, 0) + 1
-
-    @property
-    def mean_rows(self) -> float:
-        """Rows per step, over all steps (0 without steps)."""
-        return sum(b * c for b, c in self.rows_steps.items()) / self.steps if self.steps else 0.0
-
-    def summary(self) -> dict[str, Any]:
-        """Plain JSON-able counters (the merged request metrics under ``requests``)."""
-        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "requests"}
-        d["mean_rows"] = self.mean_rows
-        d["requests"] = self.requests.summary()
-        return d

@@ -33,7 +33,8 @@ class StepTokens(list[int]):
     def of(cls, new: Sequence[int], out: list[int], n_before: int) -> StepTokens:
         """What a step's ``new`` tokens (accepted drafts, then the target's token) added to ``out``.
 
-        ``out`` held ``n_before`` tokens before :func:`append_tokens` appended a prefix of ``new``.
+        ``out`` (an output, or a whole sequence) held ``n_before`` tokens before :func:`append_tokens`
+        appended a prefix of ``new``.
         """
         kept = out[n_before:]
         return cls(kept, min(len(kept), len(new) - 1))
@@ -55,21 +56,21 @@ def hit_stop(out: list[int], stops: tuple[str, ...], decode: Decode) -> bool:
     return any(s in text for s in stops)
 
 
-def append_tokens(new: list[int], seq: list[int], out: list[int], params: SamplingParams, eos_ids: Collection[int],
+def append_tokens(new: list[int], seq: list[int], start: int, params: SamplingParams, eos_ids: Collection[int],
                   decode: Decode) -> str | None:
-    """Append a step's ``new`` tokens to ``seq`` and ``out`` up to the first stop condition.
+    """Append a step's ``new`` tokens to ``seq`` (whose output begins at ``start``) up to the first stop condition.
 
     Returns the finish reason (``"stop"`` for EOS or a stop string, ``"length"`` for
     ``max_tokens``) or None to go on. EOS itself is not appended.
     """
+    window = max((len(s) for s in params.stop), default=0) + 8
     for tok in new:
         if tok in eos_ids and not params.ignore_eos:
             return "stop"
         seq.append(tok)
-        out.append(tok)
-        if params.stop and hit_stop(out, params.stop, decode):
+        if params.stop and hit_stop(seq[max(start, len(seq) - window):], params.stop, decode):
             return "stop"
-        if len(out) >= params.max_tokens:
+        if len(seq) - start >= params.max_tokens:
             return "length"
     return None
 
