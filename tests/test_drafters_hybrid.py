@@ -23,6 +23,7 @@ from drafters_common import (
 
 import verispec.drafters
 import verispec.engine.engine
+import verispec.engine.planning
 from verispec import Engine, SamplingParams, SpecConfig, VerispecError
 from verispec.drafters.base import Drafter, Proposal
 from verispec.drafters.hybrid import HybridDrafter
@@ -219,7 +220,7 @@ def test_lookups_are_valued_at_the_acceptance_their_request_reached(engine, plai
     priced = engine.with_config(costs=CostModel(CostCurve({1: 0.1, 1024: 0.1}, smoothing=0),
                                                 CostCurve({1: 10.0, 64: 10.0}, smoothing=0)))
     events: list[tuple] = []
-    plan, advance = verispec.engine.engine.plan_row, verispec.engine.engine.Engine._advance
+    plan, advance = verispec.engine.planning.plan_row, verispec.engine.engine.Engine._advance
 
     def planning(req, *args):
         got = plan(req, *args)
@@ -232,7 +233,7 @@ def test_lookups_are_valued_at_the_acceptance_their_request_reached(engine, plai
             events.append(("step", id(req), report.drafted[i], report.accepted[i]))
         return advance(self, req, report, i, now)
 
-    monkeypatch.setattr(verispec.engine.engine, "plan_row", planning)
+    monkeypatch.setattr(verispec.engine.planning, "plan_row", planning)
     monkeypatch.setattr(verispec.engine.engine.Engine, "_advance", advancing)
     results = priced.generate(PROMPTS, GREEDY, spec)
     assert [r.token_ids for r in results] == plain

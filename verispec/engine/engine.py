@@ -359,7 +359,7 @@ class Engine:
         report = step_isolated(partial(speculative_step, self.target, self.cache, draft_model=self.draft_runner,
                                        full_span=self.config.compile), stepping, self.cache, self.draft_runner)
         self.stats.record(report, policy_k)
-        if self.costs is not None and not report.retried:
+        if self.costs is not None and not report.retried and not (self.policy and "learning" in self.policy.off):
             self.costs.observe_step(report)
         now = time.perf_counter()
         for i, req in enumerate(stepping):

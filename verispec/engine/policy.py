@@ -40,6 +40,10 @@ PROBE_EVERY = 8  # plain steps before a row's first probe
 PROBE_MAX_EVERY = 64  # the longest wait a row's probes back off to
 PROBE_K = 2
 PRIOR_ACCEPTANCE = 0.6  # per-token acceptance assumed before a request has shown its own
+# The policy's rules beyond the argmax of goodput, each of which an ablation can switch off
+# (``CostPolicy.off``): probes of plain rows, the catch-up win-back, cutting lookups at the goodput
+# peak, the MIN_GAIN margin, the context term of the step cost, and learning costs from measured steps.
+RULES = ("probes", "catch_up", "lookup_cut", "margin", "context", "learning")
 
 
 def expected_tokens(a: float, k: int) -> float:
@@ -154,6 +158,14 @@ class CostPolicy:
     costs: CostModel
     min_gain: float = MIN_GAIN
     chosen: dict[int, int] = field(default_factory=dict)  # k -> steps it was chosen for governed rows
+    off: frozenset[str] = frozenset()  # rules switched off (:data:`RULES`), for ablations
+
+    def __post_init__(self) -> None:
+        unknown = set(self.off) - set(RULES)
+        if unknown:
+            raise ValueError(f"unknown policy rules {sorted(unknown)} (choose from {', '.join(RULES)})")
+        if "margin" in self.off:
+            self.min_gain = 0.0
 
     def choose(self, plans: list[RowPlan], span: int | None = None) -> list[int]:
         """k of every row for the next step (fixed rows keep theirs, each capped by its ``cap``)."""
@@ -163,7 +175,7 @@ class CostPolicy:
         # Optional lookups are cut at one length (padding makes the widest row count), where the
         # step's goodput at each row's lookup acceptance peaks; the shorter cut on a tie, 0 a plain step.
         full = {i: k for i, (p, k) in enumerate(zip(plans, ks, strict=True)) if p.optional and k}
-        if full:
+        if full and "lookup_cut" not in self.off:
             cut = max(range(max(full.values()) + 1), key=lambda c: (
                 self._goodput(plans, ks, {i: min(f, c) for i, f in full.items()}, rates, span), -c))
             for i, f in full.items():
@@ -177,7 +189,7 @@ class CostPolicy:
                     plans[i].probes.restart()
                 if i in joined:
                     ks[i] = min(k, plans[i].cap)
-        else:
+        elif "probes" not in self.off:
             due = [i for i in governed if plans[i].probes is not None and plans[i].probes.due()]
             probe = {i: min(PROBE_K, plans[i].cap) for i in due}
             # At perfect acceptance: the rows whose catch-up that wins back, and only if they pay together.
@@ -223,7 +235,7 @@ class CostPolicy:
             if p.model_draft:
                 draft_k = max(draft_k, k)
             own_s += k * p.draft_token_s
-        context = max((p.context for p in plans), default=0)
+        context = 0 if "context" in self.off else max((p.context for p in plans), default=0)
         return tokens / (self.costs.step_s(span or len(plans), width, draft_k, context) + own_s)
 
     def _pays(self, plans: list[RowPlan], ks: list[int], drafting: dict[int, int], rates: dict[int, float],
@@ -235,7 +247,7 @@ class CostPolicy:
                    span: int | None, i: int) -> bool:
         """Whether row ``i``'s draft catch-up is won back by the saving over its expected remaining tokens."""
         p = plans[i]
-        if not p.model_draft or p.catch_up <= 0 or p.horizon is None:
+        if not p.model_draft or p.catch_up <= 0 or p.horizon is None or "catch_up" in self.off:
             return True
         saved = 1.0 / self._goodput(plans, ks, {}, rates, span) - 1.0 / self._goodput(plans, ks, drafting, rates, span)
         return saved * p.horizon > self.costs.catch_up_s(p.catch_up)
