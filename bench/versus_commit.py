@@ -10,7 +10,7 @@ prefill: an earlier commit whose engine reused one method's prefill for the next
 methods a head start there), and every run's speedup over its own plain decoding. ``--compare-only``
 renders the comparison again from the reports already in OUT.
 
-    python bench/versus_commit.py --base da5330f --repeats 2 --out bench_out/versus -- \\
+    python bench/versus_commit.py --base HEAD~1 --repeats 2 --out bench_out/versus -- \\
         --model qwen2.5-coder-1.5b-instruct --draft qwen2.5-coder-0.5b-instruct --weights int4 \\
         --draft-weights int4-all --methods none,hybrid --dataset spec_bench,chat_code --max-tokens 128
 """

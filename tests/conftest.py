@@ -118,6 +118,27 @@ def small_vocab_close_draft(tmp_path_factory: pytest.TempPathFactory, small_voca
                        vocab=SMALL_VOCAB, layers=1, dim=32, heads=2, kv_heads=1, seed=0, scale=4.0)
 
 
+@pytest.fixture(scope="session")
+def chat_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+    """A Llama target and a noisy copy of it as draft (high but imperfect acceptance), both folders with the tiny
+    word-level tokenizer and chat template (``tests/tiny_tokenizer.py``): what ``verispec bench`` runs on."""
+    from tiny_tokenizer import make_tiny_tokenizer
+
+    target_dir, draft_dir = tmp_path_factory.mktemp("bench_target"), tmp_path_factory.mktemp("bench_draft")
+    kwargs: dict[str, Any] = dict(arch="llama", vocab=VOCAB, layers=2, dim=64, heads=4, kv_heads=2, seed=11,
+                                  scale=3.0)
+    target = make_tiny(target_dir, **kwargs)
+    draft = make_tiny(draft_dir, **kwargs)
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p, r in zip(draft.parameters(), target.parameters(), strict=True):
+            p.copy_(r + 0.05 * r.std() * torch.randn(p.shape, generator=gen))
+    draft.save_pretrained(draft_dir)
+    for folder in (target_dir, draft_dir):
+        make_tiny_tokenizer(folder, VOCAB)
+    return str(target_dir), str(draft_dir)
+
+
 @pytest.fixture(scope="module")
 def noisy_pair_engine(qwen2_tiny: Tiny, qwen2_noisy_draft_tiny: Tiny) -> Any:
     """An engine (token ids, no tokenizer) over the qwen2 target and its noisy draft; one per test module,

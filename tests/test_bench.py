@@ -11,13 +11,12 @@ from typing import Any
 
 import pytest
 import torch
-from tiny import make_tiny
-from tiny_tokenizer import make_tiny_tokenizer
 
+from verispec import kernels
 from verispec.bench import datasets
 from verispec.bench.command import BenchOptions, run_bench
 from verispec.bench.consistency import bleu, compare, distribution_check, first_divergence, rouge_l
-from verispec.bench.methods import BASELINE, parse_method, parse_methods, split_methods, with_k_sweep
+from verispec.bench.methods import BASELINE, parse_method, parse_methods, reference, split_methods, with_k_sweep
 from verispec.bench.peers import hf_location, load_hf_model
 from verispec.bench.report import REPORT_KEYS
 from verispec.bench.stability import NULL_DRAFTER, run_suite
@@ -27,25 +26,15 @@ from verispec.config import DEFAULT_SPEC, PLAIN, SpecConfig
 from verispec.demo import METHODS, demo_options
 from verispec.engine.engine import Engine
 from verispec.errors import VerispecError
+from verispec.sampling import SamplingParams
 
 MAX_LEN = 96
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+def pair(chat_pair: tuple[str, str]) -> tuple[str, str]:
     """A Llama target and a noisy copy of it as draft (high but imperfect acceptance), both with the tokenizer."""
-    target_dir, draft_dir = tmp_path_factory.mktemp("bench_target"), tmp_path_factory.mktemp("bench_draft")
-    kwargs: dict[str, Any] = dict(arch="llama", vocab=96, layers=2, dim=64, heads=4, kv_heads=2, seed=11, scale=3.0)
-    target = make_tiny(target_dir, **kwargs)
-    draft = make_tiny(draft_dir, **kwargs)
-    gen = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for p, r in zip(draft.parameters(), target.parameters(), strict=True):
-            p.copy_(r + 0.05 * r.std() * torch.randn(p.shape, generator=gen))
-    draft.save_pretrained(draft_dir)
-    for folder in (target_dir, draft_dir):
-        make_tiny_tokenizer(folder, 96)
-    return str(target_dir), str(draft_dir)
+    return chat_pair
 
 
 @pytest.fixture(scope="module")
@@ -112,6 +101,31 @@ def test_method_strings_parse_into_spec_configs() -> None:
                                         "ngram:max=3,k=1", "ngram:max=3,k=3"]
     assert {m.family for m in swept if m.label.startswith("draft")} == {"draft"}
     assert swept[-1].family == "ngram:max=3" and swept[-1].spec.ngram_max == 3 and swept[-1].from_sweep
+
+
+def test_run_options_in_method_strings() -> None:
+    """kernels and sampling are options of the run a method string may change, plain decoding's included."""
+    q8 = parse_method("none:kernels=q8")
+    assert (q8.kernels, q8.spec, q8.is_baseline, q8.is_plain, q8.label) == ("q8", PLAIN, False, True, "none:kernels=q8")
+    assert q8.kernels_or("auto") == "q8" and parse_method("hybrid").kernels_or("stock") == "stock"
+    hot = parse_method("hybrid:temperature=0.8,top_p=0.9,k=3")
+    assert (hot.spec.method, hot.spec.k, hot.temperature, hot.top_p, hot.top_k) == ("hybrid", 3, 0.8, 0.9, None)
+    run = SamplingParams(max_tokens=7, top_k=5, seed=3)
+    assert hot.sampling(run) == SamplingParams(max_tokens=7, temperature=0.8, top_p=0.9, top_k=5, seed=3)
+    assert parse_method("hybrid").sampling(run) is run
+    for bad in ("none:kernels=turbo", "hybrid:temperature=-1", "none:top_p=0", "none:top_k=x", "none:kernels=q8,k=2"):
+        with pytest.raises(VerispecError):
+            parse_method(bad)
+    # A k sweep keeps each variant's run options.
+    swept = with_k_sweep(parse_methods("draft:kernels=stock"), [2])
+    assert swept[-1].label == "draft:kernels=stock,k=2" and swept[-1].kernels == "stock"
+    # Each method is checked against the plain decoding of its own kernels and sampling, where the run has one.
+    methods = parse_methods("hybrid,none:kernels=q8,hybrid:kernels=q8,none:temperature=0.5,hybrid:temperature=0.5,"
+                            "hybrid:kernels=stock")
+    refs = {m.label: getattr(reference(m, methods, "auto", SamplingParams()), "label", None) for m in methods}
+    assert refs == {BASELINE: None, "hybrid": BASELINE, "none:kernels=q8": None, "hybrid:kernels=q8": "none:kernels=q8",
+                    "none:temperature=0.5": None, "hybrid:temperature=0.5": "none:temperature=0.5",
+                    "hybrid:kernels=stock": None}
 
 
 # -- consistency -------------------------------------------------------------------------------------
@@ -431,6 +445,11 @@ def test_predictions_in_datasets_and_methods(pair: tuple[str, str], tmp_path: Pa
             parse_method(bad)
     edits = datasets.load("code_edit,code_edit_polyglot")
     assert len(edits) == 51 and all(p.prediction and p.prediction in p.text for p in edits)
+    # The tune split of edits: HumanEval 0-19, quoted as the report split quotes its functions, none of them shared.
+    tune = datasets.load("code_edit_tune")
+    assert len(tune) == 12 and tune[0].id == "edit_tune-00" and all(p.chat and p.prediction in p.text for p in tune)
+    assert not any(t.prediction in e.text for t in tune for e in edits)
+    assert [p.id for p in datasets.load("code_edit_tune", n=2)] == ["edit_tune-00", "edit_tune-01"]
     with pytest.raises(VerispecError, match="prediction"):
         datasets.jsonl(_write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "a", "prediction": 3}]))
 
@@ -450,3 +469,110 @@ def test_predictions_in_datasets_and_methods(pair: tuple[str, str], tmp_path: Pa
     for r in report["records"]:
         tokens.setdefault(r["item"], set()).add(tuple(r["token_ids"]))
     assert all(len(outputs) == 1 for outputs in tokens.values())  # greedy: every method the same tokens
+
+
+# -- the axes of a run: kernels, sampling, repeats ------------------------------------------------------------
+
+@pytest.mark.skipif(not kernels.available(), reason="needs verispec's fast kernels on this CPU")
+def test_kernels_axis_runs_each_method_on_an_engine_of_its_kernels(pair: tuple[str, str], tmp_path: Path) -> None:
+    data = _write_jsonl(tmp_path / "p.jsonl", [{"prompt": "def add ( x , y ) : return x + y"},
+                                               {"prompt": "write code to print hello world"}])
+    methods = "none,none:kernels=stock,hybrid:kernels=stock"
+    report = run_bench(BenchOptions(model=pair[0], draft=pair[1], methods=methods, dataset=f"jsonl:{data}",
+                                    max_tokens=8, dtype="float32", weights="int8", draft_weights="int8",
+                                    max_len=MAX_LEN, out=str(tmp_path / "out"), progress=False, plots=False))
+    ran = {m["label"]: m for m in report["methods"]}
+    # The run's kernels (auto: verispec's) for plain decoding, PyTorch's for the methods that ask for them.
+    assert (ran[BASELINE]["kernels"], ran[BASELINE]["matmul_kernels"]) == ("auto", "verispec")
+    for label in ("none:kernels=stock", "hybrid:kernels=stock"):
+        assert (ran[label]["kernels"], ran[label]["matmul_kernels"]) == ("stock", "stock")
+    assert report["models"]["kernels"] == "verispec"
+    # Speculation on the stock kernels is checked against plain decoding on the same kernels, and is lossless.
+    cons = {c["method"]: c for c in report["consistency"]}
+    assert ran["hybrid:kernels=stock"]["reference"] == cons["hybrid:kernels=stock"]["reference"] == \
+        "none:kernels=stock"
+    assert cons["hybrid:kernels=stock"]["exact_match"] == 1.0
+    assert cons["none:kernels=stock"]["reference"] == BASELINE
+    assert "against" in (tmp_path / "out" / "report.md").read_text()
+
+
+def test_sampling_axis_and_repeats_side_by_side(pair: tuple[str, str], tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Greedy and sampled methods in one run: each call gets its method's sampling and the (item, repeat) seed,
+    repeats alternate the order of the methods, and each repeat's ratio to plain decoding gives the spread."""
+    calls: list[tuple[int, str, float, float, int | None]] = []
+    generate = Engine.generate
+
+    def spy(self: Engine, prompts: Any, params: Any = None, spec: Any = None, **kw: Any) -> Any:
+        calls.append((len(calls), spec.method if spec is not None and spec.enabled else "none", params.temperature,
+                      params.top_p, params.seed))
+        return generate(self, prompts, params, spec, **kw)
+
+    monkeypatch.setattr(Engine, "generate", spy)
+    data = _write_jsonl(tmp_path / "p.jsonl", [{"id": "a", "category": "x", "prompt": "what is the cat ?"},
+                                               {"id": "b", "category": "y", "prompt": "say 3 things"}])
+    out = tmp_path / "out"
+    methods = "none,none:temperature=0.8,top_p=0.9,hybrid:temperature=0.8,top_p=0.9,hybrid:policy=fixed,k=3"
+    assert main(["bench", "--model", pair[0], "--draft", pair[1], "--methods", methods, "--dataset", f"jsonl:{data}",
+                 "--max-tokens", "8", "--repeats", "3", "--dtype", "float32", "--max-len", str(MAX_LEN),
+                 "--out", str(out), "--no-progress", "--no-plots"]) == 0
+    report = json.loads((out / "report.json").read_text())
+    labels = [BASELINE, "none:temperature=0.8,top_p=0.9", "hybrid:temperature=0.8,top_p=0.9", "hybrid:policy=fixed,k=3"]
+    assert [r["method"] for r in report["summary"]] == labels
+    timed = calls[4:]  # after the warm-up, one call per method
+    assert len(timed) == 2 * 3 * 4
+    sampling = [(t, p) for _, _, t, p, _ in timed]
+    # Repeat 1 in the order asked for, repeat 2 reversed, repeat 3 as asked again.
+    greedy, hot = (0.0, 1.0), (0.8, 0.9)
+    assert sampling[:12] == [greedy, hot, hot, greedy, greedy, hot, hot, greedy, greedy, hot, hot, greedy]
+    assert [m for _, m, *_ in timed[:8]] == ["none", "none", "hybrid", "hybrid", "hybrid", "hybrid", "none", "none"]
+    # Every method of one repeat of one prompt draws with the same seed; each repeat with another.
+    seeds = [s for *_, s in timed]
+    assert len({*seeds[:4]}) == 1 and len({seeds[0], seeds[4], seeds[8]}) == 3
+    ran = {m["label"]: m for m in report["methods"]}
+    assert ran["hybrid:temperature=0.8,top_p=0.9"]["sampling"] == {"temperature": 0.8, "top_p": 0.9, "top_k": 0}
+    assert ran[BASELINE]["sampling"]["temperature"] == 0.0
+    cons = {c["method"]: c for c in report["consistency"]}
+    # Sampled speculation against sampled plain decoding (a distribution check); greedy against greedy (exact).
+    hot_cons = cons["hybrid:temperature=0.8,top_p=0.9"]
+    assert hot_cons["reference"] == "none:temperature=0.8,top_p=0.9" and hot_cons["exact_match"] is None
+    assert hot_cons["distribution"]["baseline_tokens"] > 0
+    assert cons["hybrid:policy=fixed,k=3"]["exact_match"] == 1.0 and cons["hybrid:policy=fixed,k=3"]["reference"] == \
+        BASELINE
+    assert not report["warnings"]  # sampled repeats differ by design: no warning about them
+    # The spread: per method and category, each repeat's tokens/s over plain decoding's in that repeat.
+    spread = report["repeat_ratios"][BASELINE]
+    assert set(spread) == set(labels[1:]) and set(spread["hybrid:policy=fixed,k=3"]) == {"x", "y", "overall"}
+    recs = {(r["method"], r["item"]): r for r in report["records"]}
+
+    def rate(label: str, rep: int) -> float:
+        rs = [recs[label, i] for i in (0, 1)]
+        return sum(r["tokens"] for r in rs) / sum(r["wall_s"][rep] for r in rs)
+
+    label = "hybrid:policy=fixed,k=3"  # greedy: every repeat has the median record's tokens
+    assert spread[label]["overall"] == pytest.approx([rate(label, i) / rate(BASELINE, i) for i in range(3)])
+    assert "## Spread over repeats" in (out / "report.md").read_text()
+
+
+def test_policy_ablation_runs_its_method_with_those_rules_off(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``off=`` switches cost-policy rules off while its method generates, and only then; the output stays exact."""
+    from verispec.bench.harness import Item, engine_generate
+
+    method = parse_method("draft:policy=cost,off=probes+learning")
+    assert method.policy_off == {"probes", "learning"}
+    with pytest.raises(VerispecError, match="unknown policy rule"):
+        parse_method("draft:off=nonsense")
+    with pytest.raises(VerispecError, match="cost policy"):
+        parse_method("draft:policy=fixed,off=probes")
+    seen: list[frozenset[str]] = []
+    step = engine.step
+    monkeypatch.setattr(engine, "step", lambda: seen.append(engine.policy.off) or step())
+    item = Item(0, "p", "code", 1, "def add ( x , y ) :", chat=False)
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    ablated = engine_generate(engine, method.spec, policy_off=method.policy_off)(item, params)
+    assert seen and set(seen) == {frozenset({"probes", "learning"})}
+    seen.clear()
+    full = engine_generate(engine, method.spec)(item, params)
+    assert seen and set(seen) == {frozenset()}
+    plain = engine_generate(engine, PLAIN)(item, params)
+    assert ablated.token_ids == full.token_ids == plain.token_ids

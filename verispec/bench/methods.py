@@ -6,9 +6,15 @@ Examples: ``none``, ``draft``, ``draft:k=3``, ``draft:policy=cost``, ``layerskip
 (the full head and the whole prompt), ``suffix:global=0,min_prob=0.2`` (suffix decoding over the request
 alone, drafting only paths of probability 0.2 or more), ``hybrid:lookup=suffix`` (hybrid with the suffix
 drafter as its context lookup), ``suffix:width=3`` (suffix drafts as token trees of up to 3 ways per node),
-``hybrid:predict=1`` (the default with each prompt's predicted output, where its dataset has one),
+``hybrid:off=probes+catch_up`` (the default with those rules of the cost policy switched off, for an
+ablation; the rules are :data:`~verispec.engine.policy.RULES`), ``hybrid:predict=1`` (the default with
+each prompt's predicted output, where its dataset has one),
 ``hybrid:predict=other`` (with another prompt's: an unrelated prediction) and ``none:predict=1`` (plain
 decoding plus the prediction alone).
+Options of the run rather than of the speculation apply to plain decoding (``none``) too: ``kernels``
+(``none:kernels=q8``: an engine whose int4/int8 layers run the q8 kernels, loaded beside the run's) and the
+sampling options ``temperature``, ``top_p`` and ``top_k`` (``hybrid:temperature=0.8,top_p=0.9``), which
+override ``bench``'s --kernels, --temperature, --top-p and --top-k for that method.
 An option a string leaves out takes the run's defaults: :data:`~verispec.config.DEFAULT_SPEC` (what
 ``verispec generate`` runs), as ``bench``'s -k, --k-policy, --confidence, --draft-vocab and
 --draft-window change it; so ``draft`` is the draft model under the default cost policy, and
@@ -24,9 +30,18 @@ from typing import Any
 
 from verispec.config import DEFAULT_SPEC, METHODS, PLAIN, SpecConfig
 from verispec.errors import VerispecError
+from verispec.sampling import SamplingParams
 
 BASELINE = "plain"
 """Label of plain decoding, the baseline every speedup is measured against."""
+
+# Options of the run a method may change, plain decoding included: the engine's kernels, and sampling.
+RUN_OPTIONS: dict[str, tuple[str, type]] = {
+    "kernels": ("kernels", str),
+    "temperature": ("temperature", float),
+    "top_p": ("top_p", float),
+    "top_k": ("top_k", int),
+}
 
 # Option names accepted after the colon -> (SpecConfig field, parser). Short aliases keep labels readable.
 OPTIONS: dict[str, tuple[str, type]] = {
@@ -67,10 +82,33 @@ class Method:
     # Send each prompt's predicted output ("own") or another prompt's ("other"); "": none. Datasets with a
     # ``prediction`` field have them.
     predict: str = ""
+    kernels: str | None = None  # the engine's kernels for this method (None: the run's --kernels)
+    temperature: float | None = None  # sampling for this method (None: the run's)
+    top_p: float | None = None
+    top_k: int | None = None
+    policy_off: frozenset[str] = frozenset()  # cost-policy rules switched off while this method runs
 
     @property
     def is_baseline(self) -> bool:
+        return not self.spec.enabled and not self.predict and not self.run_options
+
+    @property
+    def is_plain(self) -> bool:
+        """Plain decoding, whatever its kernels and sampling: no speculation and no prediction."""
         return not self.spec.enabled and not self.predict
+
+    @property
+    def run_options(self) -> dict[str, Any]:
+        """The run's options this method changes (``kernels``, ``temperature``, ``top_p``, ``top_k``)."""
+        return {key: getattr(self, key) for key in RUN_OPTIONS if getattr(self, key) is not None}
+
+    def sampling(self, params: SamplingParams) -> SamplingParams:
+        """The run's sampling ``params`` with this method's own temperature, top-p and top-k."""
+        own = {k: v for k, v in self.run_options.items() if k != "kernels"}
+        return replace(params, **own) if own else params
+
+    def kernels_or(self, default: str) -> str:
+        return self.kernels or default
 
     @property
     def family(self) -> str:
@@ -86,11 +124,15 @@ def parse_method(text: str, defaults: SpecConfig = DEFAULT_SPEC) -> Method:
     name, _, opts = text.partition(":")
     name = name.strip()
     predict = _predict_option(text, opts)
-    opts = ",".join(o for o in opts.split(",") if o.partition("=")[0].strip() not in PREDICT_KEYS)
+    run = _run_options(text, opts)
+    off = _policy_off(text, opts)
+    opts = ",".join(o for o in opts.split(",")
+                    if o.partition("=")[0].strip() not in (*PREDICT_KEYS, *RUN_OPTIONS, "off"))
     if name in ("none", BASELINE):
-        if opts.strip():
-            raise VerispecError(f"method '{text}': plain decoding takes no options but predict")
-        return Method(text, PLAIN, predict=predict) if predict else Method(BASELINE, PLAIN)
+        if opts.strip() or off:
+            raise VerispecError(f"method '{text}': plain decoding takes no speculation options (only predict, "
+                                f"{', '.join(RUN_OPTIONS)})")
+        return Method(text, PLAIN, predict=predict, **run) if predict or run else Method(BASELINE, PLAIN)
     if name not in METHODS:
         raise VerispecError(f"unknown method '{name}' in '{text}' (choose from {', '.join(METHODS)})")
     values: dict[str, Any] = {"method": name}
@@ -111,7 +153,58 @@ def parse_method(text: str, defaults: SpecConfig = DEFAULT_SPEC) -> Method:
     spec = replace(defaults, **values)  # validates ranges and names
     if spec.k == 0:
         raise VerispecError(f"method '{text}': k=0 is plain decoding; use 'none'")
-    return Method(text, spec, explicit_k, predict=predict)
+    if off and spec.k_policy != "cost":
+        raise VerispecError(f"method '{text}': off= switches rules of the cost policy (policy=cost)")
+    return Method(text, spec, explicit_k, predict=predict, policy_off=off, **run)
+
+
+def _policy_off(text: str, opts: str) -> frozenset[str]:
+    """The cost-policy rules a method string's ``off`` option switches off (``off=probes+margin``)."""
+    from verispec.engine.policy import RULES
+
+    off: set[str] = set()
+    for opt in opts.split(","):
+        key, _, raw = opt.partition("=")
+        if key.strip() == "off":
+            off |= {r.strip() for r in raw.split("+") if r.strip()}
+    unknown = sorted(off - set(RULES))
+    if unknown:
+        raise VerispecError(f"method '{text}': unknown policy rule(s) {', '.join(unknown)} "
+                            f"(choose from {', '.join(RULES)})")
+    return frozenset(off)
+
+
+def _run_options(text: str, opts: str) -> dict[str, Any]:
+    """A method string's run options (:data:`RUN_OPTIONS`), parsed and checked."""
+    from verispec.kernels import KERNEL_CHOICES
+
+    values: dict[str, Any] = {}
+    for opt in opts.split(","):
+        key, _, raw = opt.partition("=")
+        key, raw = key.strip(), raw.strip()
+        if key not in RUN_OPTIONS:
+            continue
+        field, kind = RUN_OPTIONS[key]
+        try:
+            values[field] = kind(raw)
+        except ValueError:
+            raise VerispecError(f"method '{text}': {key} must be {kind.__name__} (got '{raw}')") from None
+    if values.get("kernels", KERNEL_CHOICES[0]) not in KERNEL_CHOICES:
+        raise VerispecError(f"method '{text}': kernels must be one of {', '.join(KERNEL_CHOICES)}")
+    sampling = {k: v for k, v in values.items() if k != "kernels"}
+    if sampling:
+        replace(SamplingParams(), **sampling)  # validates the ranges
+    return values
+
+
+def reference(method: Method, methods: list[Method], kernels: str, params: SamplingParams) -> Method | None:
+    """The plain-decoding method of ``methods`` that ``method`` must reproduce: the first with the same kernels
+    and sampling (``kernels`` and ``params`` are the run's); None where there is none but ``method`` itself."""
+    for m in methods:
+        if (m.is_plain and not m.predict and m is not method and m.kernels_or(kernels) == method.kernels_or(kernels)
+                and m.sampling(params) == method.sampling(params)):
+            return m
+    return None
 
 
 PREDICT_KEYS = ("predict", "prediction")
@@ -171,7 +264,7 @@ def with_k_sweep(methods: list[Method], ks: list[int]) -> list[Method]:
                 continue
             seen.add((m.family, k))
             label = f"{m.label},k={k}" if ":" in m.label else f"{m.label}:k={k}"
-            out.append(Method(label, replace(m.spec, k=k), explicit_k=True, from_sweep=True, predict=m.predict))
+            out.append(replace(m, label=label, spec=replace(m.spec, k=k), explicit_k=True, from_sweep=True))
     return out
 
 

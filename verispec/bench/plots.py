@@ -99,3 +99,30 @@ def speedup_vs_k(rows: list[MethodStats], families: dict[str, str], path: Path, 
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=8)
     return _save(fig, path)
+
+
+def clients_sweep(rows: list[dict[str, Any]], path: Path, title: str) -> Path | None:
+    """Lines per method against the number of clients: total throughput, and request latency p50 / p95
+    (rows of :func:`verispec.bench.clients.summarize`; the level ``alone`` is left out). None without a level."""
+    plt = _pyplot()
+    rows = [r for r in rows if r["clients"] != "alone"]
+    if not rows:
+        return None
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for method in dict.fromkeys(r["method"] for r in rows):
+        rs = [r for r in rows if r["method"] == method]
+        xs = [int(r["clients"]) for r in rs]
+        ax1.plot(xs, [r["tokens_per_s"] for r in rs], marker="o", label=method)
+        line = ax2.plot(xs, [r["latency_p50_s"] for r in rs], marker="o", label=f"{method} p50")[0]
+        ax2.plot(xs, [r["latency_p95_s"] for r in rs], marker="x", linestyle="--", color=line.get_color(),
+                 label=f"{method} p95")
+    levels = sorted({int(r["clients"]) for r in rows})
+    for ax, ylabel in ((ax1, "total throughput (tokens/s)"), (ax2, "request latency (s)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(levels, [str(c) for c in levels])
+        ax.set_xlabel("concurrent clients")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    return _save(fig, path)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import platform
+import statistics
 import subprocess
 from datetime import datetime
 from importlib import metadata
@@ -17,8 +18,13 @@ from typing import Any
 from verispec.bench.stats import STAGE_NAMES
 
 REPORT_KEYS = ("title", "date", "settings", "models", "machine", "versions", "methods", "summary", "per_category",
-               "consistency", "memory", "peers", "stability", "plots", "warnings", "items", "records")
-"""Top-level keys every report.json has (``peers`` and ``stability`` are None when not run)."""
+               "consistency", "repeat_ratios", "memory", "peers", "stability", "plots", "warnings", "items", "records")
+"""Top-level keys every report.json has (``peers`` and ``stability`` are None when not run, ``repeat_ratios``
+with one repeat). A run with ``--clients`` has :data:`CLIENTS_REPORT_KEYS` instead."""
+
+CLIENTS_REPORT_KEYS = ("title", "date", "settings", "models", "machine", "versions", "methods", "prompts", "clients",
+                       "plots", "warnings")
+"""Top-level keys of the report.json of a ``--clients`` run (:mod:`verispec.bench.clients`)."""
 
 
 def versions() -> dict[str, str | None]:
@@ -153,15 +159,21 @@ def _acceptance_by_position(report: dict[str, Any]) -> str:
 
 def _consistency(report: dict[str, Any]) -> str:
     body = []
+    against = any(c.get("reference", "plain") != "plain" for c in report["consistency"])
     for c in report["consistency"]:
         d = c["distribution"]
-        body.append([c["method"], str(c["prompts"]), _f(c["exact_match"] and 100 * c["exact_match"], ".0f", "%")
+        body.append([c["method"], *([c.get("reference", "plain")] if against else []), str(c["prompts"]),
+                     _f(c["exact_match"] and 100 * c["exact_match"], ".0f", "%")
                      if c["exact_match"] is not None else "–", str(c["diverged"]),
                      _f(c["mean_first_divergence"], ".1f"), _f(c["rouge_l"], ".3f"), _f(c["bleu"], ".1f"),
                      _f(d and d["total_variation"], ".3f"), _f(d and d["p_value"], ".3f")])
-    table = _table(["method", "prompts", "exact match", "diverged", "mean first divergence (token)", "ROUGE-L",
-                    "BLEU", "token TV (sanity)", "chi-square p (sanity)"], body)
-    if report["settings"]["temperature"] > 0:
+    table = _table(["method", *(["against"] if against else []), "prompts", "exact match", "diverged",
+                    "mean first divergence (token)", "ROUGE-L", "BLEU", "token TV (sanity)", "chi-square p (sanity)"],
+                   body, "l" + "l" * against + "r" * 8)
+    if against:
+        table += ("\n\nEach method against plain decoding with the same kernels and sampling where the run has it "
+                  "(`against`), else against the baseline.")
+    if any(c["distribution"] for c in report["consistency"]):
         table += ("\n\nSampled run: outputs cannot match token for token. The last two columns compare the token "
                   "histograms of baseline and method outputs; they are a sanity check only (exactness of speculative "
                   "sampling is proven by the unit tests). A finite sample gives a positive TV even for identical "
@@ -270,8 +282,54 @@ def _stability(report: dict[str, Any]) -> str:
     return out + "\n\nCases:\n" + "\n".join(desc)
 
 
+def _repeat_ratios(report: dict[str, Any]) -> str | None:
+    """Per category and method: the median over repeats of each repeat's tokens/s ratio (range in brackets)."""
+    spread = report.get("repeat_ratios")
+    if not spread:
+        return None
+    refs = list(spread)
+    cells: dict[tuple[str, str], dict[str, str]] = {}
+    for ref, by_method in spread.items():
+        for method, by_cat in by_method.items():
+            for cat, xs in by_cat.items():
+                cells.setdefault((cat, method), {})[ref] = (f"{statistics.median(xs):.2f}x "
+                                                            f"({min(xs):.2f}-{max(xs):.2f})")
+    rows = [[cat, method, *[c.get(ref, "–") for ref in refs]] for (cat, method), c in
+            sorted(cells.items(), key=lambda kv: kv[0][0] == "overall")]
+    return _table(["category", "method", *[f"vs {ref}" for ref in refs]], rows, "ll" + "r" * len(refs))
+
+
+def _clients_markdown(report: dict[str, Any]) -> str:
+    """``report.md`` of a ``--clients`` run."""
+    from verispec.bench.clients import table
+
+    s, m, mach = report["settings"], report["models"], report["machine"]
+    parts = [
+        f"# {report['title']}", "",
+        f"{report['date']} · target {m['target']} ({m['dtype']}, {m['weights']}) · draft {m['draft'] or '–'} "
+        f"({m['draft_weights']}) · {mach.get('cpu')}, {mach.get('threads')} threads · torch "
+        f"{report['versions'].get('torch')}", "",
+        f"Dataset {s['dataset']}: {report['prompts']} prompts, at least two requests per client (the list again "
+        f"from its start where it has fewer) · max_tokens {s['max_tokens']} · closed loop: each client keeps one "
+        "request in flight; `alone`: one request after another through Engine.generate · "
+        f"{s['repeats']} run{'s' if s['repeats'] > 1 else ''} per level and method, methods alternating (in "
+        "reverse order every other repeat): "
+        "each row is the run of median throughput; vs plain is the median of the per-repeat ratios to plain "
+        "decoding's run (range in brackets). Beyond prefill: tokens per second of the wall time outside the "
+        "target's prompt prefill (the same work in every method), against plain decoding's, paired by repeat.", "",
+        table(report["clients"], "plain"), "",
+    ]
+    if report["warnings"]:
+        parts += ["## Warnings", "", *[f"- {w}" for w in report["warnings"]], ""]
+    if report["plots"]:
+        parts += ["## Plots", "", *[f"![{Path(p).stem}]({p})" for p in report["plots"]], ""]
+    return "\n".join(parts)
+
+
 def markdown(report: dict[str, Any]) -> str:
     """``report.md``: every table of the report, then the plots."""
+    if "clients" in report:
+        return _clients_markdown(report)
     s, m, mach = report["settings"], report["models"], report["machine"]
     base = next(r for r in report["summary"] if r["kind"] == "baseline")
     n_prompts = len({(i["category"], i["prompt_id"]) for i in report["items"]})
@@ -294,6 +352,9 @@ def markdown(report: dict[str, Any]) -> str:
         "## Tokens/s per category", "", _pivot(report, "tokens_per_s", ".2f"), "",
         "## Mean accepted length per category", "", _pivot(report, "mean_accepted_length", ".2f"), "",
         *(["## Speedup vs k (mean accepted length)", "", sweep, ""] if (sweep := _k_sweep(report)) else []),
+        *(["## Spread over repeats", "", "Each repeat's tokens/s (prefill included) over the reference's in the "
+           "same repeat, runs seconds apart: the median over repeats (range in brackets).", "", spread, ""]
+          if (spread := _repeat_ratios(report)) else []),
         "## Acceptance by draft position", "", _acceptance_by_position(report), "",
         "## Time per stage (share of wall time)", "", _stages(report), "",
         "## Output consistency against plain decoding", "", _consistency(report), "",

@@ -95,6 +95,37 @@ def aggregate(items: list[Item], records: dict[str, list[Record]], baseline: str
     return rows
 
 
+def repeat_ratios(items: list[Item], records: dict[str, list[Record]], reference: str
+                  ) -> dict[str, dict[str, list[float]]]:
+    """Per method and category (``overall`` included): each repeat's tokens/s over ``reference``'s in the same
+    repeat, so each ratio compares runs of the same prompts seconds apart; their spread is the run-to-run spread.
+
+    A repeat's tokens/s is its generated tokens over its summed wall time (prefill included). Empty when
+    ``reference`` did not run.
+    """
+    if reference not in records:
+        return {}
+    cats = categories(items)
+
+    def rates(recs: list[Record], cat: str) -> list[float]:
+        recs = [r for r in recs if cat == OVERALL or items[r.item].category == cat]
+        if not recs:
+            return []
+        repeats = min(len(r.wall_s) for r in recs)
+        return [sum(len(r.samples[i]) for r in recs) / sum(r.wall_s[i] for r in recs) for i in range(repeats)]
+
+    base = {cat: rates(records[reference], cat) for cat in cats}
+    out: dict[str, dict[str, list[float]]] = {}
+    for label, recs in records.items():
+        if label == reference:
+            continue
+        for cat in cats:
+            mine = rates(recs, cat)
+            if mine and base[cat]:
+                out.setdefault(label, {})[cat] = [a / b for a, b in zip(mine, base[cat], strict=False)]
+    return out
+
+
 def overall(rows: list[MethodStats]) -> list[MethodStats]:
     return [r for r in rows if r.category == OVERALL]
 

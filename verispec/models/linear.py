@@ -604,7 +604,7 @@ class Int4Linear(nn.Module):
 
     def _apply(self, fn, recurse=True):  # noqa: ANN001, ANN202 - nn.Module's signature
         # Moving to CUDA: the packed layouts differ, so unpack the codes here and repack there
-        # (checked on an H200 by bench/gpu_check.py, docs/gpu.md).
+        # (checked on a GPU by tests/test_gpu.py, docs/gpu.md).
         before = self.qweight.device
         after = fn(torch.empty(0, device=before)).device
         codes = self.int4_weight().codes() if after.type == "cuda" and before.type != "cuda" else None
