@@ -33,7 +33,7 @@ for step in $STEPS; do
         --no-progress --out "$D" ;;
     ablation)     # the tune split (Spec-Bench seed 0, HumanEval 0-5, code edits on HumanEval 0-5): verispec's
                   # defaults against the same with one rule of the cost policy switched off, 2 repeats
-      $V bench "${INT4_PAIR[@]}" --methods none,hybrid,hybrid:off=probes,hybrid:off=catch_up,hybrid:off=lookup_cut,hybrid:off=margin,hybrid:off=context,hybrid:off=learning \
+      $V bench "${INT4_PAIR[@]}" --methods none,hybrid,hybrid:off=probes,hybrid:off=lookup_cut,hybrid:off=margin \
         --dataset spec_bench,humaneval,code_edit_tune --per-category 2 --n 6 --seed 0 --max-tokens 128 --repeats 2 \
         --no-progress --out "$D" ;;
     code_edit)    # requests to rewrite a quoted function, where most of the answer repeats the prompt: the

@@ -227,15 +227,13 @@ def test_scheduler_is_fifo_without_overtaking():
 
 def test_policy_picks_k0_in_the_engine_when_compute_bound(engine, reference):
     spec = SPECS["draft-cost"]
-    be = engine.with_config(max_batch=8, costs=CostModel(CostCurve({1: 1e-3, 100: 0.1}, smoothing=0)))
+    be = engine.with_config(max_batch=8, costs=CostModel(CostCurve({1: 1e-3, 100: 0.1})))
     results = be.generate(PROMPTS, PARAMS, spec)
     assert [r.token_ids for r in results] == reference["draft-cost"]
-    # Finished requests teach the engine how long answers run (the policy's horizon).
-    assert sorted(n for n, _ in be.answer_lengths.recent) == sorted(len(r.token_ids) for r in results)
     assert set(be.stats.policy_k) == {0}
     assert all(set(r.metrics.k_chosen) == {0} for r in results)
 
-    flat = CostModel(CostCurve({1: 1e-2, 1024: 1e-2}, smoothing=0), CostCurve({1: 1e-4}, smoothing=0))
+    flat = CostModel(CostCurve({1: 1e-2, 1024: 1e-2}), CostCurve({1: 1e-4}))
     be = engine.with_config(max_batch=8, costs=flat)
     results = be.generate(PROMPTS, PARAMS, spec)
     assert [r.token_ids for r in results] == reference["draft-cost"]
@@ -249,8 +247,8 @@ def test_lookup_rows_draft_only_where_their_width_pays(qwen2_tiny, reference):
     # policy still weighs each lookup's width: never on a linear curve, freely on a flat one.
     lookups = make_engine(qwen2_tiny)
     spec = SpecConfig(method="hybrid", k=4, k_policy="cost")
-    linear = CostModel(CostCurve({1: 1e-3, 100: 0.1}, smoothing=0))
-    flat = CostModel(CostCurve({1: 1e-2, 1024: 1e-2}, smoothing=0))
+    linear = CostModel(CostCurve({1: 1e-3, 100: 0.1}))
+    flat = CostModel(CostCurve({1: 1e-2, 1024: 1e-2}))
     for costs, widens in ((linear, False), (flat, True)):
         be = lookups.with_config(max_batch=8, costs=costs)
         results = be.generate(PROMPTS, PARAMS, spec)
@@ -261,12 +259,6 @@ def test_lookup_rows_draft_only_where_their_width_pays(qwen2_tiny, reference):
 def test_profiled_costs_are_monotone(engine):
     be = engine.with_config(max_batch=4)
     costs = be.profile(k_max=3, context=32)
-    # A tiny draft reads 32 tokens about as fast as one (overhead-bound): the read's cost beyond one
-    # forward can be timed as 0, never below.
-    assert costs.catch_up_per_token_s >= 0
-    # What each further position costs is timed within a slot's length (124 here, not 8 x 32).
-    assert costs.per_position.context == 32
-    assert costs.per_position.target_s >= 0 and costs.per_position.draft_s >= 0
     # One curve per profiled row count, each over that many rows' scored tokens.
     assert set(costs.target.curves) == {1, 2, 4}
     assert set(costs.target.curves[4].points) == {4, 8, 12, 16}

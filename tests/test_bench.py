@@ -558,8 +558,8 @@ def test_policy_ablation_runs_its_method_with_those_rules_off(engine: Engine, mo
     """``off=`` switches cost-policy rules off while its method generates, and only then; the output stays exact."""
     from verispec.bench.harness import Item, engine_generate
 
-    method = parse_method("draft:policy=cost,off=probes+learning")
-    assert method.policy_off == {"probes", "learning"}
+    method = parse_method("draft:policy=cost,off=probes+lookup_cut")
+    assert method.policy_off == {"probes", "lookup_cut"}
     with pytest.raises(VerispecError, match="unknown policy rule"):
         parse_method("draft:off=nonsense")
     with pytest.raises(VerispecError, match="cost policy"):
@@ -570,7 +570,7 @@ def test_policy_ablation_runs_its_method_with_those_rules_off(engine: Engine, mo
     item = Item(0, "p", "code", 1, "def add ( x , y ) :", chat=False)
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     ablated = engine_generate(engine, method.spec, policy_off=method.policy_off)(item, params)
-    assert seen and set(seen) == {frozenset({"probes", "learning"})}
+    assert seen and set(seen) == {frozenset({"probes", "lookup_cut"})}
     seen.clear()
     full = engine_generate(engine, method.spec)(item, params)
     assert seen and set(seen) == {frozenset()}

@@ -152,21 +152,22 @@ def test_hybrid_with_a_draft_model_matches_plain(engine, plain, k, monkeypatch):
 @torch.inference_mode()
 def test_lookup_steps_leave_the_draft_model_a_catch_up(engine):
     """What lookup steps added, the draft model reads the next time it drafts: in its lockstep forward
-    for a few tokens, alone (charged to the k policy as a catch-up) beyond that; it drafts as if cold."""
+    for a few tokens, alone (a catch-up) beyond that; it drafts as if cold."""
     vocab = engine.target.args.vocab_size
     runner = DraftRunner(engine.draft, 1, 64, vocab)
     seq = PROMPTS[0] + [7, 8, 9]
     runner.begin(0, seq)
-    assert runner.catch_up_needed(0, seq) == len(seq) - 1
     runner.propose([Request(seq, GREEDY, slot=0, k=2)])
+    assert runner.catch_up_tokens == len(seq) - 1
     runner.commit(0, len(seq))  # no draft accepted: the target's token follows seq
     assert runner.cache.lengths[0] == len(seq)
     # A lookup step then added MAX_LOCKSTEP_FEED tokens: the lockstep forward reads them, no catch-up.
-    assert runner.catch_up_needed(0, seq + [1] * MAX_LOCKSTEP_FEED) == 0
+    before = runner.catch_up_tokens
+    runner.propose([Request(seq + [1] * MAX_LOCKSTEP_FEED, GREEDY, slot=0, k=1)])
+    assert runner.catch_up_tokens == before
+    runner.commit(0, len(seq))
     # One more: all but the last (any step's own input) are read alone first.
     longer = seq + list(range(1, MAX_LOCKSTEP_FEED + 2))
-    assert runner.catch_up_needed(0, longer) == MAX_LOCKSTEP_FEED
-    before = runner.catch_up_tokens
     got = runner.propose([Request(longer, GREEDY, slot=0, k=3)])[0].tokens
     assert runner.catch_up_tokens - before == MAX_LOCKSTEP_FEED
     cold = DraftRunner(engine.draft, 1, 64, vocab)
@@ -178,7 +179,7 @@ def test_lookups_run_where_the_cost_policy_keeps_the_model_plain(engine, plain, 
     """A draft priced far above a target step never runs, yet free lookups still speculate (losslessly)."""
     spec = SpecConfig(k_policy="cost", method="hybrid", k=4)
     # A flat target curve (a cheap draft would pay) and a draft forward a hundred target steps long.
-    costs = CostModel(CostCurve({1: 0.1, 1024: 0.1}, smoothing=0), CostCurve({1: 10.0, 64: 10.0}, smoothing=0))
+    costs = CostModel(CostCurve({1: 0.1, 1024: 0.1}), CostCurve({1: 10.0, 64: 10.0}))
     priced = engine.with_config(costs=costs)
     counts = watch_counts(priced, monkeypatch)
     results = priced.generate(PROMPTS, GREEDY, spec)
@@ -194,8 +195,8 @@ def test_a_long_lookup_is_cut_where_scoring_stops_paying(engine, plain, monkeypa
     than 3 tokens, which do not pay whole, are cut to 3 and drafted (losslessly), not dropped for a
     plain step."""
     spec = SpecConfig(k_policy="cost", method="hybrid", k=16)
-    costs = CostModel(CostCurve({1: 0.1, 4: 0.1, 17: 0.1 + 13 * 0.2}, smoothing=0),
-                      CostCurve({1: 10.0, 64: 10.0}, smoothing=0))
+    costs = CostModel(CostCurve({1: 0.1, 4: 0.1, 17: 0.1 + 13 * 0.2}),
+                      CostCurve({1: 10.0, 64: 10.0}))
     priced = engine.with_config(costs=costs)
     offered: list[int] = []
     free_tokens = HybridDrafter.free_tokens
@@ -217,8 +218,8 @@ def test_lookups_are_valued_at_the_acceptance_their_request_reached(engine, plai
     """The acceptance a lookup is priced at is its own request's: the prior, then what that request's
     earlier lookup steps accepted (rows of one batch never share it)."""
     spec = SpecConfig(k_policy="cost", method="hybrid", k=8)
-    priced = engine.with_config(costs=CostModel(CostCurve({1: 0.1, 1024: 0.1}, smoothing=0),
-                                                CostCurve({1: 10.0, 64: 10.0}, smoothing=0)))
+    priced = engine.with_config(costs=CostModel(CostCurve({1: 0.1, 1024: 0.1}),
+                                                CostCurve({1: 10.0, 64: 10.0})))
     events: list[tuple] = []
     plan, advance = verispec.engine.planning.plan_row, verispec.engine.engine.Engine._advance
 

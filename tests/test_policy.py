@@ -1,8 +1,7 @@
 """The cost k policy and the cost curves it reads, on hand-built cost models (no models run).
 
-A row drafts only where the predicted goodput beats plain decoding by MIN_GAIN, joins only if its
-draft catch-up is won back, and every row's probes back off but never stop. Profiling bounds the
-time it spends per shape.
+A row drafts only where the predicted goodput beats plain decoding by MIN_GAIN, and every row's
+probes back off but never stop. Profiling bounds the time it spends per shape.
 """
 
 from __future__ import annotations
@@ -12,12 +11,10 @@ from dataclasses import replace
 import pytest
 
 from verispec.config import SpecConfig
-from verispec.engine.costs import ContextCost, CostCurve, CostModel, RowCurves, monotone_fit
+from verispec.engine.costs import CostCurve, CostModel, RowCurves, monotone_fit
 from verispec.engine.policy import (
-    MIN_GAIN,
     PROBE_K,
     Acceptance,
-    AnswerLengths,
     CostPolicy,
     FixedK,
     HeuristicK,
@@ -30,14 +27,14 @@ from verispec.engine.policy import (
 
 def compute_bound() -> CostModel:
     """Flat (memory-bound) up to 4 scored tokens, then 1 ms per token; draft forwards 0.2 ms."""
-    return CostModel(CostCurve({1: 4e-3, 4: 4e-3, 1024: 1.024}, smoothing=0),
-                     CostCurve({1: 2e-4, 64: 2e-4}, smoothing=0))
+    return CostModel(CostCurve({1: 4e-3, 4: 4e-3, 1024: 1.024}),
+                     CostCurve({1: 2e-4, 64: 2e-4}))
 
 
 def flat(target_s: float = 0.1, draft_s: float = 0.01, **kwargs) -> CostModel:
     """A target whose forwards cost the same at any width: perfect acceptance always pays."""
-    return CostModel(CostCurve({1: target_s, 1024: target_s}, smoothing=0),
-                     CostCurve({1: draft_s, 64: draft_s}, smoothing=0), **kwargs)
+    return CostModel(CostCurve({1: target_s, 1024: target_s}),
+                     CostCurve({1: draft_s, 64: draft_s}), **kwargs)
 
 
 def row(acceptance: float | None = 0.1, cap: int = 5, **kwargs) -> RowPlan:
@@ -56,7 +53,7 @@ def test_speculates_alone_but_not_when_compute_bound():
     # A lone row whose step is priced at 16 rows' span pays as the 16 rows do.
     assert policy.choose([row(0.8, cap=6)], span=16) == [0]
     # On a linear curve even perfect acceptance cannot pay: no draft and no probe, however often due.
-    linear = CostPolicy(CostModel(CostCurve({1: 1e-3, 100: 0.1}, smoothing=0)))
+    linear = CostPolicy(CostModel(CostCurve({1: 1e-3, 100: 0.1})))
     schedules = [ProbeSchedule(every=2) for _ in range(4)]
     for _ in range(20):
         assert linear.choose([RowPlan(6, 0.99, probes=s) for s in schedules]) == [0] * 4
@@ -103,7 +100,7 @@ def test_a_free_lookup_is_drafted_only_where_its_padding_pays():
 def test_a_long_lookup_is_cut_where_the_step_pays_not_dropped():
     # Scoring all 17 tokens of a 16-token lookup would cost more than it is expected to bring, but its
     # first tokens are a draft of their own: the step drafts them rather than decoding plainly.
-    steep = CostModel(CostCurve({1: 4e-3, 4: 4e-3, 17: 4e-3 + 13 * 1.5e-3}, smoothing=0))
+    steep = CostModel(CostCurve({1: 4e-3, 4: 4e-3, 17: 4e-3 + 13 * 1.5e-3}))
     lookup = RowPlan(cap=16, fixed_k=16, optional=True)
     assert CostPolicy(steep).choose([lookup]) == [3]
     # Cut to the best prefix, not to the longest one that still beats plain decoding.
@@ -117,7 +114,7 @@ def test_a_long_lookup_is_cut_where_the_step_pays_not_dropped():
 def test_a_lookup_is_cut_at_the_acceptance_its_request_reached():
     # Each scored token past the fourth costs a tenth of a step: the better a request's lookups have
     # been accepted, the longer the prefix that pays.
-    gentle = CostModel(CostCurve({1: 4e-3, 4: 4e-3, 17: 4e-3 + 13 * 0.4e-3}, smoothing=0))
+    gentle = CostModel(CostCurve({1: 4e-3, 4: 4e-3, 17: 4e-3 + 13 * 0.4e-3}))
     cuts = [CostPolicy(gentle).choose([RowPlan(cap=16, fixed_k=16, optional=True, fixed_rate=a)])[0]
             for a in (0.3, 0.6, 0.8, 0.9, 0.95)]
     assert cuts == [3, 3, 5, 8, 13]
@@ -157,66 +154,31 @@ def test_each_request_has_its_own_probe_schedule():
 
 
 def test_a_probe_that_cannot_pay_stays_due():
-    # The row's draft must read 500 tokens (0.01 + 2.5 s): a probe saves 0.06 s per token at best,
-    # not won back over 20 tokens. It does not run, and runs on the first step it can pay.
-    policy = CostPolicy(flat(catch_up_per_token_s=0.005))
+    # A draft forward dearer than what perfect acceptance saves: the due probe does not run and stays
+    # due, and it runs on the first step it can pay.
     schedule = ProbeSchedule(every=2)
-    assert [policy.choose([row(catch_up=500, horizon=20, probes=schedule)]) for _ in range(6)] == [[0]] * 6
+    dear, cheap = CostPolicy(flat(draft_s=1.0)), CostPolicy(flat())
+    assert [dear.choose([row(probes=schedule)]) for _ in range(6)] == [[0]] * 6
     assert (schedule.gap, schedule.streak) == (0, 6)
-    assert policy.choose([row(catch_up=0, horizon=20, probes=schedule)]) == [PROBE_K]
-    assert policy.choose([row(probes=schedule)]) == [0] and schedule.gap == 4  # it ran: the wait grows
+    assert cheap.choose([row(probes=schedule)]) == [PROBE_K]
+    assert cheap.choose([row(probes=schedule)]) == [0] and schedule.gap == 4  # it ran: the wait grows
 
 
-def test_a_probe_whose_rows_drop_out_is_priced_without_them():
-    # Two rows due; b's catch-up (2.51 s) is never won back over 20 tokens. Both drafting 2 at a = 1
-    # pay (6 tokens per 0.22 s vs 2 per 0.1 s), a alone does not (4 per 0.22 s): no probe should run.
-    costs = CostModel(CostCurve({2: 0.1, 6: 0.2, 64: 2.0}, smoothing=0), CostCurve({1: 0.01, 64: 0.01}, smoothing=0),
-                      catch_up_per_token_s=0.005)
-    assert (1 + expected_tokens(1.0, 2)) / costs.step_s(2, 2) < (1 + MIN_GAIN) * 2 / costs.step_s(2, 0)
-    a, b = row(horizon=20, probes=ProbeSchedule(every=1)), row(catch_up=500, horizon=20, probes=ProbeSchedule(every=1))
-    assert CostPolicy(costs).choose([a, b]) == [0, 0]
-
-
-def test_a_row_whose_catch_up_cannot_pay_back_stays_plain():
-    costs = CostModel(CostCurve({1: 0.1, 64: 0.1}, smoothing=0), CostCurve({1: 0.01}, smoothing=0),
-                      catch_up_per_token_s=0.005)
-    policy = CostPolicy(costs)
-    short, long, current = (row(0.8, catch_up=500, horizon=10), row(0.8, catch_up=500, horizon=1000),
-                            row(0.8, catch_up=0, horizon=10))
-    assert policy.choose([short, long, current]) == [0, 2, 2]
-    assert policy.choose([row(0.8, catch_up=500, horizon=10)]) == [0]
-    assert policy.choose([row(0.8, catch_up=0, horizon=10)]) == [5]
-    # What the chosen step saves per token wins the 500-token read back over 1000 tokens, not over 10.
-    saved = costs.step_s(3, 0) / 3 - costs.step_s(3, 2) / (1 + 2 * expected_tokens(0.8, 2))
-    assert costs.catch_up_s(500) == pytest.approx(0.01 + 2.5)
-    assert saved * 1000 > costs.catch_up_s(500) > saved * 10
-    assert costs.catch_up_s(0) == 0
-    # Measured catch-ups: what exceeds one one-row forward each is charged per token read.
-    costs.observe_catch_up(count=2, tokens=100, seconds=2 * 0.01 + 0.1)
-    assert costs.catch_up_per_token_s == pytest.approx(0.005 + 0.1 * (0.001 - 0.005))
-
-
-def test_long_contexts_make_drafting_dearer():
-    # Each scored token pays 1 us per position past 64, each draft row 2 us.
-    costs = CostModel(CostCurve({1: 0.01, 64: 0.01}, smoothing=0), CostCurve({1: 1e-3, 64: 1e-3}, smoothing=0),
-                      per_position=ContextCost(64, 1e-6, 2e-6))
-    policy = CostPolicy(costs)
-
-    def goodput(k: int, context: int) -> float:
-        return expected_tokens(0.8, k) / costs.step_s(1, k, context=context)
-
-    (k,) = policy.choose([row(0.8, context=100)])
-    assert k == 5 and goodput(5, 100) == max(goodput(j, 100) for j in range(6)) > (1 + MIN_GAIN) * goodput(0, 100)
-    assert policy.choose([row(0.8, context=4000)]) == [0]
-    assert all(goodput(j, 4000) < (1 + MIN_GAIN) * goodput(0, 4000) for j in range(1, 6))
-    # A step's context is its longest row's: a short row beside a long one drafts no more.
-    assert policy.choose([row(0.8, context=100), row(0.8, context=4000)]) == [0, 0]
-    blind = CostPolicy(CostModel(costs.target, costs.draft))
-    assert blind.choose([row(0.8, context=4000)]) == [5]
+def test_policy_rules_switch_off_for_an_ablation():
+    schedule = ProbeSchedule(every=1)
+    assert CostPolicy(flat(), off=frozenset({"probes"})).choose([row(probes=schedule)]) == [0]
+    assert CostPolicy(flat()).choose([row(probes=schedule)]) == [PROBE_K]
+    # A 16-token lookup on a compute-bound host is cut to what pays; drafted whole with the cut off.
+    lookup = RowPlan(16, fixed_k=16, optional=True, fixed_rate=0.9)
+    assert CostPolicy(compute_bound()).choose([lookup])[0] < 16
+    assert CostPolicy(compute_bound(), off=frozenset({"lookup_cut"})).choose([lookup]) == [16]
+    assert CostPolicy(flat(), off=frozenset({"margin"})).min_gain == 0.0
+    with pytest.raises(ValueError, match="unknown policy rules"):
+        CostPolicy(flat(), off=frozenset({"context"}))
 
 
 def test_a_drafter_s_own_cost_can_make_drafting_lose():
-    policy = CostPolicy(CostModel(CostCurve({1: 0.01, 64: 0.01}, smoothing=0)))  # no draft model
+    policy = CostPolicy(CostModel(CostCurve({1: 0.01, 64: 0.01})))  # no draft model
     assert [policy.choose([RowPlan(4, 0.8, draft_token_s=s)]) for s in (0.0, 1e-3, 3e-3, 1e-2)] == \
         [[4], [4], [3], [0]]
 
@@ -240,28 +202,6 @@ def test_acceptance_is_the_geometric_estimate_with_a_prior():
     assert expected_tokens(0.5, 2) == 1.75 and expected_tokens(1.0, 3) == 4.0 and expected_tokens(0.3, 0) == 1.0
 
 
-def test_answer_lengths_expect_the_mean_remainder_of_longer_answers():
-    lengths = AnswerLengths()
-    assert lengths.expected_remaining(5, 40) == 40  # nothing known: the limit
-    for n, cut in ((10, False), (20, False), (31, False), (30, True)):
-        lengths.add(n, cut)
-    assert lengths.expected_remaining(15, 40) == 20  # (5 + 16 + 40) / 3; the cut answer runs to the limit
-    assert lengths.expected_remaining(15, 10) == 8  # (5 + 10 + 10) / 3: each at most the limit
-    assert lengths.expected_remaining(40, 25) == 25  # none ran longer
-    assert lengths.expected_remaining(30, 40) == 1  # (1 + 40) / 2 rounds; never below 1 otherwise
-    small = AnswerLengths(window=2)
-    for n in (1, 2, 3):
-        small.add(n, False)
-    assert small.recent == [(2, False), (3, False)]
-
-
-def test_a_one_answer_window_keeps_one_answer():
-    lengths = AnswerLengths(window=1)
-    for n in (1, 2, 3):
-        lengths.add(n, False)
-    assert lengths.recent == [(3, False)]
-
-
 def test_request_policies_and_the_heuristic_k():
     def policy(k_policy: str, k: int = 6):
         return request_policy(SpecConfig(method="draft", k=k, k_policy=k_policy))
@@ -279,74 +219,43 @@ def test_request_policies_and_the_heuristic_k():
     assert h.choose(3) == 1
 
 
-def test_cost_curve_learns_between_profiled_points_only():
-    curve = CostCurve({1: 1.0, 5: 2.0}, smoothing=0.5)
-    curve.observe(4, 2.75)  # read 1.75 there: an error of 1.0, shared 1/4 : 3/4 by the neighbours
-    assert curve.points == {1: 1.125, 5: 2.375}
-    curve.observe(9, 100.0)  # outside the profiled range: ignored
-    assert curve.points == {1: 1.125, 5: 2.375}
-    curve.observe(5, 2.375 + 1.0)
-    assert curve.points[5] == 2.875
-    frozen = CostCurve({1: 1.0, 5: 2.0}, smoothing=0)
-    frozen.observe(5, 10.0)
-    assert frozen.points == {1: 1.0, 5: 2.0}
-
-
 def test_cost_curve_pools_an_outlier_and_extends_at_the_last_slope():
     assert monotone_fit([1.0, 3.0, 1.0, 1.0, 5.0]) == [1.0, 5 / 3, 5 / 3, 5 / 3, 5.0]
     assert monotone_fit([1.0, 2.0, 3.0]) == [1.0, 2.0, 3.0]
     # One slow profile point at 3 tokens: pooled, it does not price every k >= 2 at the spike.
-    curve = CostCurve({1: 0.0755, 2: 0.0778, 3: 0.1217, 4: 0.0782, 5: 0.0779, 6: 0.0790}, smoothing=0)
+    curve = CostCurve({1: 0.0755, 2: 0.0778, 3: 0.1217, 4: 0.0782, 5: 0.0779, 6: 0.0790})
     assert curve(6) < 0.0905 and curve(2) < curve(3) <= curve(6)
-    assert CostPolicy(CostModel(curve, CostCurve({1: 0.0108}, smoothing=0))).choose([row(0.8)]) == [5]
-    line = CostCurve({1: 1.0, 5: 2.0}, smoothing=0)
+    assert CostPolicy(CostModel(curve, CostCurve({1: 0.0108}))).choose([row(0.8)]) == [5]
+    line = CostCurve({1: 1.0, 5: 2.0})
     assert (line(0), line(3), line(9)) == (1.0, 1.5, 3.0)  # clamped below, interpolated, extended at 1/4
-    assert CostCurve({4: 2.0}, smoothing=0)(8) == 4.0  # one point: proportional
-    assert CostCurve({1: 2.0, 5: 1.0}, smoothing=0)(9) == 1.5  # pooled flat: never falls
+    assert CostCurve({4: 2.0})(8) == 4.0  # one point: proportional
+    assert CostCurve({1: 2.0, 5: 1.0})(9) == 1.5  # pooled flat: never falls
 
 
-def test_cost_model_composes_draft_target_and_context():
-    costs = CostModel(CostCurve({1: 0.1, 64: 0.2}), CostCurve({1: 0.01, 64: 0.01}),
-                      per_position=ContextCost(64, 1e-5, 2e-5))
+def test_cost_model_composes_draft_and_target():
+    costs = CostModel(CostCurve({1: 0.1, 64: 0.2}), CostCurve({1: 0.01, 64: 0.01}))
     target = CostCurve({1: 0.1, 64: 0.2})(12)
-    assert costs.step_s(4, 2, context=164) == pytest.approx(2 * (0.01 + 4 * 100 * 2e-5) + target + 12 * 100 * 1e-5)
+    assert costs.step_s(4, 2) == pytest.approx(2 * 0.01 + target)
     assert costs.step_s(4, 2, draft_k=0) == pytest.approx(target)  # lookups: no draft forwards
-    assert costs.step_s(4, 2, context=10) == pytest.approx(2 * 0.01 + target)  # within the profiled context
-    assert CostModel(costs.target).draft_s(4, 1000) == 0.0
-    # The curve learns only what the context does not explain (here 0.1 s slower than predicted).
-    aware = CostModel(CostCurve({16: 0.7, 32: 1.34}), per_position=ContextCost(64, 55e-6, 35e-6))
-    for _ in range(30):
-        aware.observe_target(16, 0.7 + 16 * 936 * 55e-6, context=1000)
-    assert aware.target.curves[1].points[16] == pytest.approx(0.7)
-    aware.observe_target(16, 0.7 + 16 * 936 * 55e-6 + 0.1, context=1000)
-    assert aware.target.curves[1].points[16] == pytest.approx(0.71)
-    with pytest.raises(ValueError):
-        ContextCost(64, target_s=-1.0)
+    assert CostModel(costs.target).draft_s(4) == 0.0
 
 
 def test_one_row_is_priced_by_one_row_forwards():
     # The same scored tokens cost more over more rows (each row attends to its own cache).
-    one = CostCurve({1: 1.0, 2: 1.0, 4: 1.0, 8: 1.2}, smoothing=0.5)
-    four = CostCurve({4: 2.0, 8: 2.0, 16: 2.4, 32: 3.2}, smoothing=0.5)
+    one = CostCurve({1: 1.0, 2: 1.0, 4: 1.0, 8: 1.2})
+    four = CostCurve({4: 2.0, 8: 2.0, 16: 2.4, 32: 3.2})
     curves = RowCurves({1: one, 4: four})
     assert curves(8) == 1.2 and curves(8, rows=4) == 2.0
     assert curves(8, rows=2) == pytest.approx(1.2 + (2.0 - 1.2) / 3)  # linear in the rows between
     assert curves(16, rows=9) == 2.4  # past the last profiled rows: that curve
     # A cost model priced by one curve over the shapes' average would make k > 0 look dearer to a lone
     # row than it is; with one curve per row count a lone row is priced as on a one-row engine.
-    alone = CostPolicy(CostModel(CostCurve(dict(one.points), smoothing=0), CostCurve({1: 0.05}, smoothing=0)))
-    many = CostPolicy(CostModel(RowCurves({1: CostCurve(dict(one.points), smoothing=0),
-                                           4: CostCurve(dict(four.points), smoothing=0)}),
-                                CostCurve({1: 0.05, 4: 0.1}, smoothing=0)))
+    alone = CostPolicy(CostModel(CostCurve(dict(one.points)), CostCurve({1: 0.05})))
+    many = CostPolicy(CostModel(RowCurves({1: CostCurve(dict(one.points)),
+                                           4: CostCurve(dict(four.points))}),
+                                CostCurve({1: 0.05, 4: 0.1})))
     for a in (0.3, 0.5, 0.7, 0.9):
         assert many.choose([row(a, cap=7)]) == alone.choose([row(a, cap=7)])
-    # A forward teaches the curve it is read from alone; one between two row counts teaches neither.
-    curves.observe(8, 2.2, rows=2)
-    assert (one.points[8], four.points[8]) == (1.2, 2.0)
-    curves.observe(8, 2.4, rows=4)
-    assert (one.points[8], four.points[8]) == (1.2, 2.2)
-    curves.observe(32, 4.2, rows=9)
-    assert four.points[32] == 3.7
     with pytest.raises(ValueError):
         RowCurves({})
 

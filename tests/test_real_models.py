@@ -196,10 +196,8 @@ def test_batched_greedy_equals_each_request_alone_on_real_pair(pair: Engine) -> 
              for text, n in zip(prompts, limits, strict=True)]
     assert len(set(map(len, alone))) > 1 and all(alone)
     # Given costs (memory-bound: speculation pays at any batch size) instead of a profile, which takes
-    # minutes in fp32; the policy still chooses k per step from each row's acceptance. Frozen
-    # (smoothing 0): measured times, draft reads included, would make its choices the host's.
-    costs = CostModel(CostCurve({1: 0.1, 64: 0.1}, smoothing=0), CostCurve({1: 0.01, 64: 0.01}, smoothing=0),
-                           smoothing=0)
+    # minutes in fp32; the policy still chooses k per step from each row's acceptance.
+    costs = CostModel(CostCurve({1: 0.1, 64: 0.1}), CostCurve({1: 0.01, 64: 0.01}))
     for slots in (8, 3):
         be = pair.with_config(max_batch=slots, costs=costs)
         handles = [be.submit(text, SamplingParams(max_tokens=n), specs[i % len(specs)], chat=True)

@@ -227,7 +227,7 @@ def test_greedy_matches_plain(engine, plain, k):
 
 def test_greedy_matches_plain_batched_under_the_cost_policy(engine, plain):
     # Measured-looking costs, so the policy (which decides the steps without a draft) needs no profile.
-    batched = engine.with_config(max_batch=3, costs=CostModel(CostCurve({1: 0.01, 1024: 0.02}, smoothing=0)))
+    batched = engine.with_config(max_batch=3, costs=CostModel(CostCurve({1: 0.01, 1024: 0.02})))
     spec = SpecConfig(method="suffix", k=16)
     assert [r.token_ids for r in batched.generate(PROMPTS, GREEDY, spec)] == plain
     assert [r.token_ids for r in batched.generate(PROMPTS, GREEDY, replace(spec, suffix_global=0))] == plain

@@ -9,7 +9,6 @@ that prompt (its stage times then match its wall time); every repeat's wall time
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from typing import Any
@@ -93,8 +92,7 @@ def engine_generate(engine: Engine, spec: Any, predict: str = "",
     """A :data:`Generate` for ``engine`` decoding with ``spec`` and, with ``predict``, the item's own ("own") or an
     unrelated ("other") prediction; ``sampling`` turns the run's sampling parameters into the method's own.
 
-    ``policy_off``: the engine's cost policy runs with these rules switched off while this method generates
-    (with "learning" off, on a copy of the cost model as it was when this method first ran).
+    ``policy_off``: the engine's cost policy runs with these rules switched off while this method generates.
     """
     ablated: list[Any] = []
 
@@ -106,8 +104,7 @@ def engine_generate(engine: Engine, spec: Any, predict: str = "",
                 engine.profile()  # the policy whose rules are switched off, and the one put back after
                 saved = engine.policy
             if not ablated:
-                costs = copy.deepcopy(saved.costs) if "learning" in policy_off else saved.costs
-                ablated.append(replace(saved, costs=costs, chosen={}, off=policy_off))
+                ablated.append(replace(saved, chosen={}, off=policy_off))
             engine.policy = ablated[0]
         try:
             return engine.generate(item.payload, sampling(params) if sampling else params, spec, chat=item.chat,

@@ -6,7 +6,7 @@ Examples: ``none``, ``draft``, ``draft:k=3``, ``draft:policy=cost``, ``layerskip
 (the full head and the whole prompt), ``suffix:global=0,min_prob=0.2`` (suffix decoding over the request
 alone, drafting only paths of probability 0.2 or more), ``hybrid:lookup=suffix`` (hybrid with the suffix
 drafter as its context lookup), ``suffix:width=3`` (suffix drafts as token trees of up to 3 ways per node),
-``hybrid:off=probes+catch_up`` (the default with those rules of the cost policy switched off, for an
+``hybrid:off=probes+margin`` (the default with those rules of the cost policy switched off, for an
 ablation; the rules are :data:`~verispec.engine.policy.RULES`), ``hybrid:predict=1`` (the default with
 each prompt's predicted output, where its dataset has one),
 ``hybrid:predict=other`` (with another prompt's: an unrelated prediction) and ``none:predict=1`` (plain

@@ -171,12 +171,6 @@ class DraftRunner:
             own = self._local_gens[slot] = (generator, torch.Generator(device=device).manual_seed(seed))
         return own[1]
 
-    def catch_up_needed(self, slot: int, seq: list[int]) -> int:
-        """Tokens of ``seq`` the row in ``slot`` must read alone before drafting (0: it keeps up in lockstep)."""
-        seq = self._window(slot).view(seq)
-        lag = len(seq) - min(self.cache.lengths[slot], len(seq) - 1)
-        return lag - 1 if lag > MAX_LOCKSTEP_FEED else 0
-
     def commit(self, slot: int, n_valid: int) -> None:
         """The first ``n_valid`` tokens of ``slot``'s sequence are final."""
         self.cache.lengths[slot] = min(self.cache.lengths[slot], self._window(slot).draft_len(n_valid))

@@ -42,7 +42,7 @@ from verispec.engine.faults import step_isolated
 from verispec.engine.loading import Codec, Prediction, Prompt, Sizing, check_tokenizers_match, load_models, per_prompt
 from verispec.engine.metrics import EngineStats, Metrics
 from verispec.engine.planning import plan_step
-from verispec.engine.policy import AnswerLengths, CostPolicy, request_policy
+from verispec.engine.policy import CostPolicy, request_policy
 from verispec.engine.request import GenerationResult, OnTokens, Request, RequestHandle
 from verispec.engine.scheduler import Scheduler
 from verispec.engine.slots import Slots
@@ -90,7 +90,6 @@ class Engine:
         self.costs = costs
         self.policy: CostPolicy | None = None if costs is None else CostPolicy(costs)
         self.stats = EngineStats()
-        self.answer_lengths = AnswerLengths()  # how long answers run: the cost policy's horizon
         self._shared: dict[Hashable, Any] = {}  # what this engine's drafters share (DraftContext.shared)
         self._drafters = DrafterPool(self.draft_context)
         self.rows = Slots(target, self.cache, self.draft_runner, self._drafters, self.stats, config.prefix_reuse)
@@ -336,9 +335,7 @@ class Engine:
         larger k are priced by extending the curves (:class:`~verispec.engine.costs.CostCurve`),
         never by profiling again. A server profiles before it serves.
         """
-        # The longer context, for what each position more costs, within what a slot can hold.
-        long_context = min(8 * context, self.max_len - k_max - 1)
-        self.costs = profile_costs(self.target, self.draft, self.slots, k_max, context, reps, long_context)
+        self.costs = profile_costs(self.target, self.draft, self.slots, k_max, context, reps)
         self.policy = CostPolicy(self.costs)
         logger.info(self.costs.describe())
         return self.costs
@@ -354,13 +351,10 @@ class Engine:
                 stepping.append(req)
         if not stepping:
             return
-        policy_k = plan_step(stepping, self.max_len, self.draft_runner, self.answer_lengths, self._policy,
-                             self.slots if self.config.compile else None)
+        policy_k = plan_step(stepping, self.max_len, self._policy, self.slots if self.config.compile else None)
         report = step_isolated(partial(speculative_step, self.target, self.cache, draft_model=self.draft_runner,
                                        full_span=self.config.compile), stepping, self.cache, self.draft_runner)
         self.stats.record(report, policy_k)
-        if self.costs is not None and not report.retried and not (self.policy and "learning" in self.policy.off):
-            self.costs.observe_step(report)
         now = time.perf_counter()
         for i, req in enumerate(stepping):
             if req.done:  # cancelled by an earlier request's callback during this loop
@@ -421,8 +415,6 @@ class Engine:
     def _finish(self, req: Request, reason: str, error: BaseException | None = None) -> None:
         req.done = True
         self._by_handle.pop(req.handle, None)
-        if reason != "cancelled" and error is None:
-            self.answer_lengths.add(req.n_out, cut=reason == "length")
         if req.slot is not None:
             del self._running[req.slot]
             self.scheduler.release(req.slot)

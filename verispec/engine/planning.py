@@ -5,22 +5,20 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from verispec.config import K_MAX
-from verispec.engine.draft_runner import DraftRunner
-from verispec.engine.policy import AnswerLengths, CostPolicy, RowPlan
+from verispec.engine.policy import CostPolicy, RowPlan
 from verispec.engine.request import Request
 from verispec.engine.stopping import k_cap
 
 
-def plan_step(requests: list[Request], max_len: int, draft_runner: DraftRunner | None, answer_lengths: AnswerLengths,
-              policy: Callable[[], CostPolicy], full_span: int | None) -> int | None:
+def plan_step(requests: list[Request], max_len: int, policy: Callable[[], CostPolicy],
+              full_span: int | None) -> int | None:
     """Set each request's k (and draft source) for the next step; the k the cost policy chose, if it chose one.
 
     ``requests`` have room left in their slots (``max_len`` positions each); ``policy()`` is the
     engine's cost policy, profiled on first use; ``full_span``: the step covers that many slots (a
     compiled target's static shapes), else only the requests' span.
     """
-    plans = [plan_row(req, max_len - len(req.seq), draft_runner, answer_lengths,
-                      lambda context: policy().costs.target_s(1, context)) for req in requests]
+    plans = [plan_row(req, max_len - len(req.seq), lambda: policy().costs.target_s(1)) for req in requests]
     policy_k = None
     if any(req.governed or plan.optional for req, plan in zip(requests, plans, strict=True)):
         slots = [r.slot for r in requests]
@@ -34,12 +32,11 @@ def plan_step(requests: list[Request], max_len: int, draft_runner: DraftRunner |
     return policy_k
 
 
-def plan_row(req: Request, room: int, draft_runner: DraftRunner | None, answer_lengths: AnswerLengths,
-             target_token_s: Callable[[int], float]) -> RowPlan:
+def plan_row(req: Request, room: int, target_token_s: Callable[[], float]) -> RowPlan:
     """Set up ``req``'s step (``use_model``: whether the draft model drafts it) and say what the policy knows.
 
-    ``room``: positions left in its slot (a step uses k + 1 of them); ``target_token_s(context)``: the
-    target's seconds for one token at that context, which prices a drafter that runs target layers.
+    ``room``: positions left in its slot (a step uses k + 1 of them); ``target_token_s()``: the target's
+    seconds for one token, which prices a drafter that runs target layers.
     """
     n_out = req.n_out
     cap = k_cap(req.spec.k, req.params, n_out, room) if req.speculates else 0
@@ -48,7 +45,7 @@ def plan_row(req: Request, room: int, draft_runner: DraftRunner | None, answer_l
     req.governed = False
     if not offer:  # nothing to draft (a plain request, or no room): nothing for a policy to decide
         req.use_model, req.lookup = False, None
-        return RowPlan(0, context=len(req.seq))
+        return RowPlan(0)
     # A trusted lookup (hybrid, a prediction) costs no draft time and is valued at the acceptance the
     # request's lookups of its kind reach; the cost policy drafts as much of it as pays (``optional``), a
     # request's own k policy all of it.
@@ -60,15 +57,11 @@ def plan_row(req: Request, room: int, draft_runner: DraftRunner | None, answer_l
     source = req.prediction_acceptance if req.predictor and req.predictor.offering else req.lookup_acceptance
     req.lookup = source if free else None
     if free or lookup_only:
-        return RowPlan(max(cap, free), fixed_k=free, optional=req.kpolicy is None, fixed_rate=source.rate,
-                       context=len(req.seq))
+        return RowPlan(max(cap, free), fixed_k=free, optional=req.kpolicy is None, fixed_rate=source.rate)
     if req.kpolicy is not None:
-        return RowPlan(cap, fixed_k=req.kpolicy.choose(cap), model_draft=req.use_model, context=len(req.seq))
+        return RowPlan(cap, fixed_k=req.kpolicy.choose(cap), model_draft=req.use_model)
     req.governed = True
-    catch_up = draft_runner.catch_up_needed(req.slot, req.seq) if req.use_model and draft_runner else 0
-    horizon = answer_lengths.expected_remaining(n_out, min(req.params.max_tokens - n_out, room))
     own_s = 0.0
     if drafter is not None and not req.use_model and drafter.forward_fraction:
-        own_s = drafter.forward_fraction * target_token_s(len(req.seq))
-    return RowPlan(cap, req.acceptance.rate, model_draft=req.use_model, draft_token_s=own_s, catch_up=catch_up,
-                   horizon=horizon, context=len(req.seq), probes=req.probes)
+        own_s = drafter.forward_fraction * target_token_s()
+    return RowPlan(cap, req.acceptance.rate, model_draft=req.use_model, draft_token_s=own_s, probes=req.probes)

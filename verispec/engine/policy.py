@@ -15,15 +15,14 @@ edited function, well above a draft model's): a 16-token lookup is drafted whole
 being accepted and the verify curve is flat, cut to a few tokens where scoring is steep, dropped
 for a plain step among many rows on a compute-bound host.
 
-Two more rules, each for a cost the goodput of one step does not show:
+One more rule, for what the goodput of one step does not show: while a row decodes plainly nothing
+is learned about its acceptance, so every row has its own :class:`ProbeSchedule`: after a few plain
+steps it drafts a short probe, if perfect acceptance could pay. Probes that change nothing come more
+rarely, up to a bound, so no request is ever locked into plain decoding, and a new request starts
+with a fresh schedule and the prior.
 
-- A row whose draft model must first read context on its own (its prompt, or what it generated
-  while plain) joins only if what the step saves per token, over the tokens the row is expected to
-  still produce (:class:`AnswerLengths`), wins that read back.
-- While a row decodes plainly nothing is learned about its acceptance, so every row has its own
-  :class:`ProbeSchedule`: after a few plain steps it drafts a short probe, if perfect acceptance
-  could pay. Probes that change nothing come more rarely, up to a bound, so no request is ever
-  locked into plain decoding, and a new request starts with a fresh schedule and the prior.
+Each rule beyond the argmax of goodput stays because switching it off on the tune split cost more
+than the run-to-run spread (``CostPolicy.off`` switches them off for that ablation; docs/results.md).
 """
 
 from __future__ import annotations
@@ -41,9 +40,8 @@ PROBE_MAX_EVERY = 64  # the longest wait a row's probes back off to
 PROBE_K = 2
 PRIOR_ACCEPTANCE = 0.6  # per-token acceptance assumed before a request has shown its own
 # The policy's rules beyond the argmax of goodput, each of which an ablation can switch off
-# (``CostPolicy.off``): probes of plain rows, the catch-up win-back, cutting lookups at the goodput
-# peak, the MIN_GAIN margin, the context term of the step cost, and learning costs from measured steps.
-RULES = ("probes", "catch_up", "lookup_cut", "margin", "context", "learning")
+# (``CostPolicy.off``): probes of plain rows, cutting lookups at the goodput peak, the MIN_GAIN margin.
+RULES = ("probes", "lookup_cut", "margin")
 
 
 def expected_tokens(a: float, k: int) -> float:
@@ -82,26 +80,6 @@ class Acceptance:
 
 
 @dataclass
-class AnswerLengths:
-    """How long recent answers ran: the tokens a running request is expected to still produce.
-
-    The mean remaining length of recent answers that ran longer than this one has so far, at most
-    what its limit leaves; an answer cut by its limit counts as running to the limit.
-    """
-
-    window: int = 64
-    recent: list[tuple[int, bool]] = field(default_factory=list)
-
-    def add(self, length: int, cut: bool) -> None:
-        self.recent = [*self.recent, (length, cut)][-self.window:]
-
-    def expected_remaining(self, generated: int, limit_left: int) -> int:
-        """Expected tokens still to come after ``generated``, at most ``limit_left``."""
-        left = [limit_left if cut else min(n - generated, limit_left) for n, cut in self.recent if n > generated]
-        return max(1, round(sum(left) / len(left))) if left else limit_left
-
-
-@dataclass
 class ProbeSchedule:
     """When a plainly decoding row drafts a probe: after ``every`` plain steps, the wait doubling after
     each probe that did not make speculation pay, up to ``max_every``; choosing to speculate starts
@@ -135,7 +113,8 @@ class RowPlan:
     lookup), valued at acceptance ``fixed_rate`` (a lookup's: what its request's lookups reached),
     which the policy may cut shorter (to 0 at the least) only where ``optional`` (a cost-policy
     request's free lookup). ``model_draft``: it drafts with the shared draft model (lockstep
-    forwards); ``draft_token_s``: seconds per token its own drafter spends (layer-skip; lookups 0).
+    forwards); ``draft_token_s``: seconds per token its own drafter spends (layer-skip; lookups 0);
+    ``probes``: when it probes while the policy keeps it plain.
     """
 
     cap: int
@@ -145,9 +124,6 @@ class RowPlan:
     fixed_rate: float = PRIOR_ACCEPTANCE
     model_draft: bool = False
     draft_token_s: float = 0.0
-    catch_up: int = 0  # tokens its draft model must read alone before drafting
-    horizon: int | None = None  # tokens it is expected to still produce (None: unknown)
-    context: int = 0  # tokens its sequence holds
     probes: ProbeSchedule | None = None
 
 
@@ -192,10 +168,8 @@ class CostPolicy:
         elif "probes" not in self.off:
             due = [i for i in governed if plans[i].probes is not None and plans[i].probes.due()]
             probe = {i: min(PROBE_K, plans[i].cap) for i in due}
-            # At perfect acceptance: the rows whose catch-up that wins back, and only if they pay together.
-            best = dict.fromkeys(probe, 1.0)
-            probe = {i: kp for i, kp in probe.items() if self._wins_back(plans, ks, probe, best, span, i)}
-            if probe and self._pays(plans, ks, probe, best, span):
+            # Only if the probes could pay together, at perfect acceptance.
+            if probe and self._pays(plans, ks, probe, dict.fromkeys(probe, 1.0), span):
                 for i, kp in probe.items():
                     ks[i] = kp
                     plans[i].probes.ran()
@@ -204,20 +178,12 @@ class CostPolicy:
 
     def _paying(self, plans: list[RowPlan], ks: list[int], governed: list[int], rates: dict[int, float],
                 span: int | None) -> tuple[list[int], int]:
-        """The rows that join and the best k for them; rows whose catch-up that k cannot win back stay out."""
-        joined = list(governed)
-        while joined:
-            k_max = max(plans[i].cap for i in joined)
-            best = max(range(k_max + 1), key=lambda k: (self._goodput(plans, ks, self._at(plans, joined, k),
-                                                                      rates, span), -k))
-            at = self._at(plans, joined, best)
-            if best == 0 or not self._pays(plans, ks, at, rates, span):
-                return [], 0
-            keep = [i for i in joined if self._wins_back(plans, ks, at, rates, span, i)]
-            if keep == joined:
-                return joined, best
-            joined = keep
-        return [], 0
+        """The governed rows and the best k for them, or no rows and 0 where no k beats plain by the margin."""
+        best = max(range(max(plans[i].cap for i in governed) + 1), key=lambda k: (
+            self._goodput(plans, ks, self._at(plans, governed, k), rates, span), -k))
+        if best == 0 or not self._pays(plans, ks, self._at(plans, governed, best), rates, span):
+            return [], 0
+        return governed, best
 
     @staticmethod
     def _at(plans: list[RowPlan], rows: list[int], k: int) -> dict[int, int]:
@@ -235,22 +201,12 @@ class CostPolicy:
             if p.model_draft:
                 draft_k = max(draft_k, k)
             own_s += k * p.draft_token_s
-        context = 0 if "context" in self.off else max((p.context for p in plans), default=0)
-        return tokens / (self.costs.step_s(span or len(plans), width, draft_k, context) + own_s)
+        return tokens / (self.costs.step_s(span or len(plans), width, draft_k) + own_s)
 
     def _pays(self, plans: list[RowPlan], ks: list[int], drafting: dict[int, int], rates: dict[int, float],
               span: int | None) -> bool:
         return self._goodput(plans, ks, drafting, rates, span) >= \
             (1.0 + self.min_gain) * self._goodput(plans, ks, {}, rates, span)
-
-    def _wins_back(self, plans: list[RowPlan], ks: list[int], drafting: dict[int, int], rates: dict[int, float],
-                   span: int | None, i: int) -> bool:
-        """Whether row ``i``'s draft catch-up is won back by the saving over its expected remaining tokens."""
-        p = plans[i]
-        if not p.model_draft or p.catch_up <= 0 or p.horizon is None or "catch_up" in self.off:
-            return True
-        saved = 1.0 / self._goodput(plans, ks, {}, rates, span) - 1.0 / self._goodput(plans, ks, drafting, rates, span)
-        return saved * p.horizon > self.costs.catch_up_s(p.catch_up)
 
 
 @dataclass
