@@ -16,13 +16,11 @@ from verispec.engine.policy import (
     PROBE_K,
     Acceptance,
     CostPolicy,
-    FixedK,
-    HeuristicK,
     ProbeSchedule,
     RowPlan,
     expected_tokens,
-    request_policy,
 )
+from verispec.engine.request import FixedK, HeuristicK, request_policy
 
 
 def compute_bound() -> CostModel:

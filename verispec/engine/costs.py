@@ -1,40 +1,31 @@
 """What a step costs: measured curves of seconds against the work a forward does.
 
-A target forward's time is a curve of the tokens it scores (rows x width) for each profiled
-number of rows, a lockstep draft forward's a curve of its rows, both measured once at a short
-context by :func:`profile_costs`. The curves are all the cost policy prices a step with: a term for
-longer contexts, learning from measured steps and pricing a draft model's catch-up reads were each
-switched off in an ablation on the tune split and bought nothing beyond the run-to-run spread
-(docs/results.md), so they went.
+A target forward's time is a curve of the tokens it scores (rows x width) per profiled number of
+rows, a lockstep draft forward's a curve of its rows, both timed once at a short context by
+:func:`profile_costs`. They are all the cost policy prices a step with (docs/results.md has the
+ablation that removed a context term, online learning and catch-up pricing).
 """
 
 from __future__ import annotations
 
-from bisect import bisect_left
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from verispec.engine.metrics import seconds_of
-from verispec.models.kv_cache import KVCache
 from verispec.models.llama import Transformer
 
-# The widest k a cost model is profiled for when nobody asks for more. A request's k never sizes
-# a profile others would wait for: a larger k is priced by extending the measured curve.
-PROFILE_K = 8
-# Seconds of timed forwards per profiled shape at most (past its first): cheap shapes take every
-# repetition, and a slow host stops at what already shows a shape's cost.
-SHAPE_BUDGET_S = 0.5
+PROFILE_K = 8  # the widest k profiled when nobody asks for more: a larger k extends the curve
+SHAPE_BUDGET_S = 0.5  # seconds of timing per profiled shape at most (past its first): a slow host stops early
 
 
 @dataclass
 class CostCurve:
-    """Seconds of one forward against the tokens it processes: piecewise linear through measured points.
+    """Seconds of one forward against the tokens it processes, piecewise linear through measured points.
 
-    Beyond the last point the curve extends at the last segment's slope (it never falls). It is
-    read through the least-squares non-decreasing fit of the points (isotonic regression), so a
-    noisy measurement cannot make more work look cheaper, and one slow outlier is averaged with
-    its neighbours instead of lifting every larger size to its height.
+    It reads the non-decreasing least-squares fit of the points, so noise cannot make more work look
+    cheaper, and past the last point it extends at the last segment's slope.
     """
 
     points: dict[int, float]
@@ -42,27 +33,18 @@ class CostCurve:
     def __call__(self, tokens: int) -> float:
         xs = sorted(self.points)
         ys = monotone_fit([self.points[x] for x in xs])
-        if tokens <= xs[0]:
-            return ys[0]
-        i = bisect_left(xs, tokens)
-        if i == len(xs):
-            if len(xs) == 1:
-                return ys[0] * tokens / xs[0]
-            slope = max(0.0, (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]))
-            return ys[-1] + slope * (tokens - xs[-1])
-        if xs[i] == tokens:
-            return ys[i]
-        w = (tokens - xs[i - 1]) / (xs[i] - xs[i - 1])
-        return ys[i - 1] + w * (ys[i] - ys[i - 1])
+        if tokens > xs[-1]:
+            slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) if len(xs) > 1 else ys[0] / xs[0]
+            return ys[-1] + max(0.0, slope) * (tokens - xs[-1])
+        return float(np.interp(tokens, xs, ys))
 
 
 @dataclass
 class RowCurves:
-    """Seconds of a target forward against its scored tokens, one :class:`CostCurve` per profiled number
-    of rows, linear in the rows between two of them (the nearest one's outside).
+    """One :class:`CostCurve` per profiled number of rows, linear in the rows between two of them.
 
-    Forwards of the same scored tokens differ with their rows (each row attends to its own cache and
-    pays its own bookkeeping), so one row is priced by one-row forwards, not by an average over shapes.
+    Forwards of the same scored tokens differ with their rows (each attends to its own cache), so
+    one row is priced by one-row forwards, not by an average over shapes.
     """
 
     curves: dict[int, CostCurve]
@@ -71,17 +53,12 @@ class RowCurves:
         if not self.curves or min(self.curves) < 1:
             raise ValueError("RowCurves needs a curve for at least one row count >= 1")
 
-    def _weights(self, rows: int) -> dict[int, float]:
+    def __call__(self, tokens: int, rows: int = 1) -> float:
         bs = sorted(self.curves)
         lo = max((b for b in bs if b <= rows), default=bs[0])
         hi = min((b for b in bs if b >= rows), default=bs[-1])
-        if lo == hi:
-            return {lo: 1.0}
-        w = (rows - lo) / (hi - lo)
-        return {lo: 1.0 - w, hi: w}
-
-    def __call__(self, tokens: int, rows: int = 1) -> float:
-        return sum(w * self.curves[b](tokens) for b, w in self._weights(rows).items())
+        w = 0.0 if lo == hi else (rows - lo) / (hi - lo)
+        return (1.0 - w) * self.curves[lo](tokens) + (w * self.curves[hi](tokens) if w else 0.0)
 
 
 def monotone_fit(ys: list[float]) -> list[float]:
@@ -97,12 +74,8 @@ def monotone_fit(ys: list[float]) -> list[float]:
 
 @dataclass
 class CostModel:
-    """Step time of any batch (one row included): target forwards against scored tokens and rows, lockstep
-    draft forwards against rows.
-
-    ``target`` may be one curve for any number of rows. ``draft`` is None for drafters that cost
-    (next to) nothing, such as n-gram lookup.
-    """
+    """Step time of any batch: target forwards by scored tokens and rows (one curve may serve any rows),
+    lockstep draft forwards by rows (``draft`` None where drafting costs next to nothing, as lookups)."""
 
     target: RowCurves | CostCurve
     draft: CostCurve | None = None
@@ -113,11 +86,9 @@ class CostModel:
 
     def describe(self) -> str:
         """One line: the curves' points in milliseconds."""
-        def fmt(points: dict[int, float]) -> str:
-            return ", ".join(f"{t}:{s * 1e3:.1f}ms" for t, s in sorted(points.items()))
-
-        target = "; ".join(f"{b} rows {fmt(curve.points)}" for b, curve in sorted(self.target.curves.items()))
-        return f"costs: target {target}, draft {fmt(self.draft.points) if self.draft else '-'}"
+        fmt = lambda c: ", ".join(f"{t}:{s * 1e3:.1f}ms" for t, s in sorted(c.points.items())) if c else "-"  # noqa: E731
+        target = "; ".join(f"{b} rows {fmt(c)}" for b, c in sorted(self.target.curves.items()))
+        return f"costs: target {target}, draft {fmt(self.draft)}"
 
     def target_s(self, tokens: int, rows: int = 1) -> float:
         """Predicted seconds of a target forward of ``rows`` rows scoring ``tokens`` tokens in all."""
@@ -128,53 +99,41 @@ class CostModel:
         return 0.0 if self.draft is None else self.draft(rows)
 
     def step_s(self, rows: int, k: int, draft_k: int | None = None) -> float:
-        """Predicted seconds of one step of ``rows`` rows padded to ``k`` drafts each.
-
-        ``draft_k`` lockstep draft forwards run (default ``k``; 0 when only lookup drafters draft).
-        """
+        """Predicted seconds of a step of ``rows`` rows padded to ``k`` drafts each, with ``draft_k``
+        lockstep draft forwards (default ``k``; 0 where only lookups draft)."""
         draft_k = k if draft_k is None else draft_k
-        draft = draft_k * self.draft_s(rows) if draft_k > 0 else 0.0
-        return draft + self.target_s(rows * (k + 1), rows)
+        return draft_k * self.draft_s(rows) + self.target_s(rows * (k + 1), rows)
 
 
 @torch.inference_mode()
 def profile_costs(target: Transformer, draft: Transformer | None, max_rows: int, k_max: int, context: int = 64,
                   reps: int = 5) -> CostModel:
-    """Time target forwards of B rows x m tokens (B in powers of two up to ``max_rows``, m in 1..k_max+1).
+    """Time forwards of B rows x m tokens (B in powers of two up to ``max_rows``, m in 1..k_max+1) over
+    a ``context``-token dummy prefix in a cache of their own, and one-token draft forwards of B rows.
 
-    Each forward attends over a ``context``-token dummy prefix (a real decode step reads its
-    context too); a separate small cache is used, so running requests are untouched. The draft
-    curve times one-token lockstep forwards of B rows. Each point is the fastest of ``reps`` runs:
-    noise on a shared host only ever adds time, and a median of a few runs can still catch a spike.
+    Each point is the fastest of ``reps`` runs: noise on a shared host only ever adds time.
     """
-    batch_sizes = sorted({1 << i for i in range(max_rows.bit_length()) if 1 << i <= max_rows} | {max_rows})
-    target_grid = _time_grid(target, batch_sizes, range(1, k_max + 2), context, reps)
-    target_curves = RowCurves({b: CostCurve({b * m: t for (b_, m), t in target_grid.items() if b_ == b})
-                               for b in batch_sizes})
+    rows = sorted({1 << i for i in range(max_rows.bit_length()) if 1 << i <= max_rows} | {max_rows})
+    grid = _time_grid(target, rows, range(1, k_max + 2), context, reps)
+    curves = RowCurves({b: CostCurve({b * m: t for (b_, m), t in grid.items() if b_ == b}) for b in rows})
     if draft is None:
-        return CostModel(target_curves)
-    draft_grid = _time_grid(draft, batch_sizes, (1,), context, reps)
-    return CostModel(target_curves, CostCurve({b: t for (b, _), t in draft_grid.items()}))
+        return CostModel(curves)
+    return CostModel(curves, CostCurve({b: t for (b, _), t in _time_grid(draft, rows, (1,), context, reps).items()}))
 
 
-def _time_grid(model: Transformer, batch_sizes: list[int], widths: range | tuple[int, ...], context: int,
+def _time_grid(model: Transformer, rows: list[int], widths: range | tuple[int, ...], context: int,
                reps: int) -> dict[tuple[int, int], float]:
-    """The fastest of ``reps`` forwards of B rows x m tokens at ``context``, per (B, m)."""
-    cache = model.new_cache(max(batch_sizes), context + max(widths))
-    model(_dummy(model, cache.batch, context), torch.arange(context, device=model.device).expand(cache.batch, -1),
-          cache, last_only=True)
-    # m tokens at m positions, whatever the prefix's length (k + 1 may exceed the context: k = 64).
-    return {(b, m): _fastest(model, cache, b, m, context, reps) for b in batch_sizes for m in widths}
+    """The fastest of ``reps`` forwards of B rows x m tokens at positions ``context``..., per (B, m)."""
+    def dummy(b: int, m: int) -> torch.Tensor:  # which tokens a forward reads does not change its time
+        return ((torch.arange(m, device=model.device) * 7 + 3) % model.args.vocab_size).expand(b, -1).contiguous()
 
-
-def _dummy(model: Transformer, b: int, m: int) -> torch.Tensor:
-    """``[b, m]`` stand-in token ids: which tokens a forward reads does not change its time."""
-    return ((torch.arange(m, device=model.device) * 7 + 3) % model.args.vocab_size).expand(b, -1).contiguous()
-
-
-def _fastest(model: Transformer, cache: KVCache, b: int, m: int, start: int, reps: int) -> float:
-    """The fastest of ``reps`` forwards of ``b`` rows (cache rows 0..b-1) x ``m`` tokens at positions ``start``..."""
-    tokens, pos = _dummy(model, b, m), (start + torch.arange(m, device=model.device)).expand(b, -1)
-    return min(seconds_of(lambda: model(tokens, pos, cache, rows=slice(0, b)), model.device, reps,
-                          budget_s=SHAPE_BUDGET_S))
-
+    cache = model.new_cache(max(rows), context + max(widths))
+    model(dummy(cache.batch, context), torch.arange(context, device=model.device).expand(cache.batch, -1), cache,
+          last_only=True)
+    times = {}
+    for b in rows:
+        for m in widths:  # m tokens at m positions, whatever the prefix's length (k + 1 may exceed it)
+            tokens, pos = dummy(b, m), (context + torch.arange(m, device=model.device)).expand(b, -1)
+            times[b, m] = min(seconds_of(lambda: model(tokens, pos, cache, rows=slice(0, b)),  # noqa: B023
+                                         model.device, reps, budget_s=SHAPE_BUDGET_S))
+    return times

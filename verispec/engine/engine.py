@@ -42,8 +42,8 @@ from verispec.engine.faults import step_isolated
 from verispec.engine.loading import Codec, Prediction, Prompt, Sizing, check_tokenizers_match, load_models, per_prompt
 from verispec.engine.metrics import EngineStats, Metrics
 from verispec.engine.planning import plan_step
-from verispec.engine.policy import CostPolicy, request_policy
-from verispec.engine.request import GenerationResult, OnTokens, Request, RequestHandle
+from verispec.engine.policy import CostPolicy
+from verispec.engine.request import GenerationResult, OnTokens, Request, RequestHandle, request_policy
 from verispec.engine.scheduler import Scheduler
 from verispec.engine.slots import Slots
 from verispec.engine.step import StepReport, speculative_step

@@ -14,7 +14,7 @@ from verispec.config import PLAIN, SpecConfig
 from verispec.drafters.base import Drafter
 from verispec.drafters.prediction import PredictionDrafter
 from verispec.engine.metrics import Metrics
-from verispec.engine.policy import Acceptance, FixedK, ProbeSchedule
+from verispec.engine.policy import Acceptance, ProbeSchedule
 from verispec.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -101,6 +101,38 @@ class RequestHandle:
     def _finish(self, result: GenerationResult | None, error: BaseException | None = None) -> None:
         self.finished_at = time.perf_counter()
         self._result, self._error = result, error
+
+
+@dataclass
+class FixedK:
+    """k per request: ``spec.k`` every step (the ``fixed`` and ``confidence`` policies)."""
+
+    k: int
+
+    def choose(self, cap: int) -> int:
+        return min(self.k, cap)
+
+    def update(self, drafted: int, accepted: int) -> None:  # noqa: B027 (a fixed k learns nothing)
+        """What the last step drafted and accepted."""
+
+
+@dataclass
+class HeuristicK(FixedK):
+    """Grow k by 2 after a fully accepted step, shrink it by 1 after a rejection (transformers' assisted generation)."""
+
+    k_max: int = 8
+    k_min: int = 1
+
+    def update(self, drafted: int, accepted: int) -> None:
+        if drafted:
+            self.k = min(self.k_max, self.k + 2) if accepted == drafted else max(self.k_min, self.k - 1)
+
+
+def request_policy(spec: SpecConfig) -> FixedK | None:
+    """A request's own k policy, or None where the engine's :class:`CostPolicy` governs it (``cost``)."""
+    if spec.k_policy == "cost":
+        return None
+    return HeuristicK(k=min(spec.k, 4), k_max=spec.k) if spec.k_policy == "heuristic" else FixedK(spec.k)
 
 
 @dataclass(eq=False)
