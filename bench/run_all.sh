@@ -29,7 +29,7 @@ for step in $STEPS; do
     report)       # the report split (Spec-Bench seed 1, HumanEval 100-119, chat-formatted coding requests; no
                   # default was tuned on it): verispec's defaults against plain and the fixed k they choose among
       $V bench "${INT4_PAIR[@]}" --methods none,hybrid,hybrid:policy=fixed,k=2,hybrid:policy=fixed,k=3,hybrid:policy=fixed,k=5 \
-        --dataset spec_bench,humaneval:100-119,chat_code --per-category 2 --seed 1 --max-tokens 128 --repeats 2 \
+        --dataset spec_bench,humaneval:100-119,chat_code --per-category 2 --seed 1 --max-tokens 128 --repeats 1 \
         --no-progress --out "$D" ;;
     ablation)     # the tune split (Spec-Bench seed 0, HumanEval 0-5, code edits on HumanEval 0-5): verispec's
                   # defaults against the same with one rule of the cost policy switched off, 2 repeats
@@ -45,10 +45,10 @@ for step in $STEPS; do
                   # code edits and chat-formatted coding requests; 256 new tokens
       $V bench "${INT4_PAIR[@]}" --methods none,hybrid:lookup=suffix,global=0,hybrid:lookup=suffix,global=0,width=3 \
         --dataset code_edit,chat_code --max-tokens 256 --no-progress --out "$D" ;;
-    concurrency)  # the int4 pair under verispec's defaults at 1-4 clients (3 repeats) and 8-16 (one run), each
+    concurrency)  # the int4 pair under verispec's defaults at 1-4 clients (2 repeats) and 8-16 (one run), each
                   # level at least two waves of requests, Spec-Bench prompts of the report split; "alone" runs the
                   # same requests one at a time
-      $V bench "${INT4_PAIR[@]}" --methods none,hybrid --clients alone,1,2,4 --repeats 3 --dataset spec_bench \
+      $V bench "${INT4_PAIR[@]}" --methods none,hybrid --clients alone,1,2,4 --repeats 2 --dataset spec_bench \
         --per-category 1 --seed 1 --max-tokens 64 --max-len 2048 --no-progress --out "$D/1-4"
       $V bench "${INT4_PAIR[@]}" --methods none,hybrid --clients 8,16 --dataset spec_bench \
         --per-category 2 --seed 1 --max-tokens 64 --max-len 2048 --no-progress --out "$D/8-16" ;;

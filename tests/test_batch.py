@@ -16,6 +16,7 @@ import torch
 from drafters_common import FailingDrafter, build_tok_model
 
 from verispec import Engine, EngineConfig, SamplingParams, SpecConfig, VerispecError
+from verispec.drafters.base import Drafter, Proposal
 from verispec.engine.costs import CostCurve, CostModel
 from verispec.engine.scheduler import Scheduler
 
@@ -293,6 +294,52 @@ def test_text_and_stop_strings_match_engine(tmp_path):
                                                            chat=True)
     assert [(r.token_ids, r.text, r.finish_reason) for r in got] == \
         [(r.token_ids, r.text, r.finish_reason) for r in ref]
+
+
+class NgramCopy(Drafter):
+    """An n-gram drafter that records the slot it drafts in and how many rows were running then."""
+
+    name = "ngram-copy"
+
+    def __init__(self, engine: Engine, log: list[tuple[int, int]]) -> None:
+        from verispec.drafters.ngram import NgramDrafter
+
+        self.inner, self.engine, self.log, self.slot = NgramDrafter(3, 1), engine, log, -1
+
+    def use_row(self, slot: int) -> None:
+        self.slot = slot
+
+    def propose(self, seq: list[int], k: int, params: SamplingParams, generator: torch.Generator | None) -> Proposal:
+        self.log.append((self.slot, self.engine.num_running))
+        return self.inner.propose(seq, k, params, generator)
+
+
+def test_a_drafter_factory_runs_its_prompts_batched(engine, reference):
+    be = engine.with_config(max_batch=4)
+    log: list[tuple[int, int]] = []
+    built: list[NgramCopy] = []
+
+    def factory() -> NgramCopy:
+        built.append(NgramCopy(be, log))
+        return built[-1]
+
+    results = be.generate(PROMPTS[:4], PARAMS[:4], SPECS["ngram"], drafter=factory)
+    assert [r.token_ids for r in results] == reference["ngram"][:4]
+    assert len(built) == 4 and len({d.slot for d in built}) == 4  # one drafter per request, each in its own row
+    assert max(running for _, running in log) == 4  # they drafted side by side
+    # One Drafter instance keeps one sequence's state: its prompts run one at a time.
+    log.clear()
+    results = be.generate(PROMPTS[:4], PARAMS[:4], SPECS["ngram"], drafter=NgramCopy(be, log))
+    assert [r.token_ids for r in results] == reference["ngram"][:4] and max(r for _, r in log) == 1
+
+
+def test_a_bad_custom_drafter_is_refused_before_any_work(engine):
+    be = engine.with_config(max_batch=2)
+    with pytest.raises(VerispecError, match="drafter must be a Drafter or a callable"):
+        be.generate(PROMPTS[:2], PARAMS[:2], SPECS["ngram"], drafter="ngram")
+    with pytest.raises(VerispecError, match="built str, not a Drafter"):
+        be.generate(PROMPTS[:2], PARAMS[:2], SPECS["ngram"], drafter=lambda: "ngram")
+    assert be.num_running == 0 and be.num_waiting == 0 and be.kv_used_tokens == 0
 
 
 # -- faults stay with the request that causes them ------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from verispec.config import SpecConfig
@@ -12,7 +13,19 @@ if TYPE_CHECKING:
     from verispec.drafters.datastore import Datastore
     from verispec.drafters.suffix import SuffixDrafter
 
-__all__ = ["DraftContext", "Drafter", "DrafterPool", "Proposal", "make_drafter"]
+__all__ = ["CustomDrafter", "DraftContext", "Drafter", "DrafterPool", "Proposal", "make_drafter", "own_drafter"]
+
+# A caller's own drafter: one Drafter (it keeps one sequence's state, so its requests run one at a time)
+# or a callable that builds one per request (they run batched, as built-in drafters do).
+CustomDrafter = Drafter | Callable[[], Drafter]
+
+
+def own_drafter(drafter: CustomDrafter) -> Drafter:
+    """A caller's drafter for one request: ``drafter`` itself, or the one it builds."""
+    built = drafter if isinstance(drafter, Drafter) else drafter()
+    if not isinstance(built, Drafter):
+        raise VerispecError(f"the drafter factory built {type(built).__name__}, not a Drafter")
+    return built
 
 
 def make_drafter(spec: SpecConfig, ctx: DraftContext) -> Drafter | None:

@@ -34,7 +34,7 @@ from verispec.drafters.vocab import DraftVocab, SubsetHead, check_draft_vocab
 from verispec.drafters.window import DraftWindow
 from verispec.engine.metrics import sync
 from verispec.engine.prefix import SlotPrefixes, held_tokens
-from verispec.models.llama import Transformer
+from verispec.models.llama import Transformer, span_forward
 from verispec.sampling import SamplingParams, probs_from_logits, sample
 
 # A row whose catch-up exceeds this many tokens catches up alone before the lockstep.
@@ -209,22 +209,13 @@ class DraftRunner:
             feeds[r.slot] = seq[start:]
         active = [r for r in rows if r.k > 0]
         while active:
-            lo, hi = (0, self.cache.batch) if self.full_span else \
-                (min(r.slot for r in active), max(r.slot for r in active) + 1)
             width = max(len(feeds[r.slot]) for r in active)
-            # Every slot in [lo, hi) runs: idle ones write dummies past their length (never read).
-            starts = list(lengths[lo:hi])
-            tokens = torch.zeros(hi - lo, width, dtype=torch.long)
-            for r in active:
-                f = feeds[r.slot]
-                tokens[r.slot - lo] = torch.tensor(f + [f[-1]] * (width - len(f)))
-            pos = torch.tensor(starts).unsqueeze(1) + torch.arange(width)
             # Keys up to the drafting rows' last position: an idle slot's dummies may sit further out;
             # they are written all the same, and what their queries attend to is never read.
             kv_len = max(lengths[r.slot] for r in active) + width
-            logits = self.model(tokens.to(device), pos.to(device), self.cache, kv_len=kv_len,
-                                rows=slice(None) if self.full_span else slice(lo, hi), last_only=width == 1,
-                                **head_arg)
+            logits, lo = span_forward(self.model, self.cache, {r.slot: feeds[r.slot] for r in active},
+                                      {r.slot: lengths[r.slot] for r in active}, kv_len, self.full_span,
+                                      last_only=width == 1, **head_arg)
             self.forwards += 1
             self.reduced_forwards += int(head is not None)
             # Each row's logits at its own last real position: [len(active), V].

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from verispec.config import PLAIN, EngineConfig, SpecConfig
-from verispec.drafters import DrafterPool, make_drafter
+from verispec.drafters import CustomDrafter, DrafterPool, make_drafter, own_drafter
 from verispec.drafters.base import DraftContext, Drafter
 from verispec.drafters.vocab import special_token_ids
 from verispec.engine.compiled import compile_model
@@ -54,7 +54,8 @@ from verispec.models.linear import matmul_kernels
 from verispec.models.llama import Transformer
 from verispec.sampling import SamplingParams
 
-__all__ = ["Engine", "GenerationResult", "Prediction", "Prompt", "RequestHandle", "check_tokenizers_match"]
+__all__ = ["CustomDrafter", "Engine", "GenerationResult", "Prediction", "Prompt", "RequestHandle",
+           "check_tokenizers_match"]
 
 
 class Engine:
@@ -192,20 +193,20 @@ class Engine:
     # -- requests -------------------------------------------------------------------------
 
     def submit(self, prompt: Prompt, params: SamplingParams | None = None, spec: SpecConfig | None = None,
-               chat: bool = False, on_tokens: OnTokens | None = None, drafter: Drafter | None = None,
+               chat: bool = False, on_tokens: OnTokens | None = None, drafter: CustomDrafter | None = None,
                prediction: Prediction | None = None) -> RequestHandle:
         """Queue one request; returns its handle at once (:meth:`step` runs it).
 
         ``on_tokens(tokens)`` is called with the tokens each step adds (a
         :class:`~verispec.engine.stopping.StepTokens`: ``tokens.drafted`` of them accepted drafts);
-        returning False cancels the request. ``drafter`` plugs in a custom :class:`Drafter` for this
-        request instead of the one ``spec.method`` names (``spec`` must speculate; its k and k policy
-        apply). ``prediction`` is the output the caller expects (OpenAI's predicted outputs: text or token
-        ids): runs of it that the answer repeats are drafted whatever ``spec`` says, plain decoding
-        included (:mod:`verispec.drafters.prediction`); the output stays the target's. Raises
-        :class:`VerispecError` at once for a request that can never run: a prompt + max_tokens beyond
-        the context or KV budget, a prediction longer than the context, stop strings without a
-        tokenizer, a method this engine cannot serve.
+        returning False cancels the request. ``drafter`` plugs in a custom :class:`Drafter` (or a
+        callable that builds one) instead of the one ``spec.method`` names (``spec`` must speculate;
+        its k and k policy apply). ``prediction`` is the output the caller expects (OpenAI's predicted
+        outputs: text or token ids): runs of it that the answer repeats are drafted whatever ``spec``
+        says, plain decoding included (:mod:`verispec.drafters.prediction`); the output stays the
+        target's. Raises :class:`VerispecError` at once for a request that can never run: a prompt +
+        max_tokens beyond the context or KV budget, a prediction longer than the context, stop strings
+        without a tokenizer, a method this engine cannot serve.
         """
         params = params or SamplingParams()
         spec = spec or PLAIN
@@ -214,7 +215,7 @@ class Engine:
         self._check_request(ids, params, spec, drafter)
         handle = RequestHandle(self, next(self._ids), ids)
         req = Request(ids, params, spec, handle, on_tokens, Metrics(requests=1, prompt_tokens=len(ids)),
-                      own_drafter=drafter, prediction=predicted,
+                      own_drafter=drafter and own_drafter(drafter), prediction=predicted,
                       kpolicy=request_policy(spec) if spec.enabled else None)
         self.scheduler.submit(req, self._reserve(ids, params))
         self._by_handle[handle] = req
@@ -226,12 +227,14 @@ class Engine:
         return min(len(ids) + params.max_tokens, self.max_len)
 
     def _check_request(self, ids: list[int], params: SamplingParams, spec: SpecConfig,
-                       drafter: Drafter | None) -> None:
+                       drafter: CustomDrafter | None) -> None:
         if params.stop and self.tokenizer is None:
             raise VerispecError("stop strings need a tokenizer")
         self.scheduler.check(self._reserve(ids, params))
         if drafter is not None and not spec.enabled:
             raise VerispecError("a custom drafter needs a spec that speculates (method other than 'none')")
+        if drafter is not None and not isinstance(drafter, Drafter) and not callable(drafter):
+            raise VerispecError(f"drafter must be a Drafter or a callable building one, not {type(drafter).__name__}")
         if drafter is None:
             self.check_spec(spec)
 
@@ -247,16 +250,17 @@ class Engine:
 
     def generate(self, prompts: Prompt | list[Prompt], params: SamplingParams | list[SamplingParams] | None = None,
                  spec: SpecConfig | list[SpecConfig] | None = None, chat: bool = False,
-                 drafter: Drafter | None = None,
+                 drafter: CustomDrafter | None = None,
                  on_tokens: Callable[[int, list[int]], bool | None] | None = None,
                  prediction: Prediction | list[Prediction | None] | None = None) -> list[GenerationResult]:
         """Generate for one prompt or a list of prompts; returns one result per prompt, in order.
 
         ``params`` and ``spec`` are one for all or one per prompt; ``spec=None`` decodes plainly.
-        Up to ``max_batch`` prompts run at once. ``drafter`` plugs in a custom :class:`Drafter`
-        instead of the one ``spec.method`` names (``spec.k`` still applies); it keeps one
-        sequence's state, so its prompts run one after another. Every prompt is encoded and
-        checked before any work starts, so one bad prompt costs nothing.
+        Up to ``max_batch`` prompts run at once. ``drafter`` plugs in a custom drafter instead of
+        the one ``spec.method`` names (``spec.k`` still applies): a callable that builds a
+        :class:`Drafter` gives every prompt its own and they run batched, as built-in drafters do;
+        one :class:`Drafter` keeps one sequence's state, so its prompts run one after another.
+        Every prompt is encoded and checked before any work starts, so one bad prompt costs nothing.
 
         ``on_tokens(i, tokens)`` is called after every step with the tokens prompt ``i`` just
         gained (streaming); returning False cancels that request (finish reason "cancelled").
@@ -268,10 +272,12 @@ class Engine:
                 for i, (prompt, p, s, pr) in enumerate(per_prompt(prompts, params, spec, prediction))]
         for ids, p, s, _, _ in jobs:
             self._check_request(ids, p, s, drafter)
-        if drafter is not None:
+        if isinstance(drafter, Drafter):
             return [self.submit(ids, p, s, on_tokens=cb, drafter=drafter, prediction=pr).result()
                     for ids, p, s, pr, cb in jobs]
-        handles = [self.submit(ids, p, s, on_tokens=cb, prediction=pr) for ids, p, s, pr, cb in jobs]
+        own = [None if drafter is None else own_drafter(drafter) for _ in jobs]  # built before any is queued
+        handles = [self.submit(ids, p, s, on_tokens=cb, drafter=d, prediction=pr)
+                   for (ids, p, s, pr, cb), d in zip(jobs, own, strict=True)]
         return [h.result() for h in handles]
 
     # -- running --------------------------------------------------------------------------

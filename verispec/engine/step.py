@@ -36,7 +36,7 @@ from verispec.engine.draft_runner import DraftRunner
 from verispec.engine.metrics import sync
 from verispec.engine.request import Request
 from verispec.models.kv_cache import KVCache
-from verispec.models.llama import Transformer
+from verispec.models.llama import Transformer, span_forward
 from verispec.sampling import probs_from_logits
 from verispec.verify import verify_greedy, verify_sampling, verify_tree_sampling
 
@@ -128,33 +128,17 @@ def _propose(rows: list[Request], draft_model: DraftRunner | None) -> tuple[list
 def _score(target: Transformer, cache: KVCache, rows: list[Request], proposals: list[Proposal], live: list[int],
            full_span: bool, report: StepReport) -> tuple[torch.Tensor, int]:
     """2. Score: one forward over the slot span, each row padded to the widest k + 1; its logits, the span's start."""
-    lo, hi = (0, cache.batch) if full_span else (min(rows[i].slot for i in live), max(rows[i].slot for i in live) + 1)
-    width = max(len(proposals[i].tokens) for i in live) + 1
-    starts = list(cache.lengths[lo:hi])  # holes: dummies from their own length on
-    tokens = torch.zeros(hi - lo, width, dtype=torch.long)
-    for i in live:
-        r = rows[i]
-        real = [r.seq[-1], *proposals[i].tokens]
-        tokens[r.slot - lo] = torch.tensor(real + [real[-1]] * (width - len(real)))
-        starts[r.slot - lo] = len(r.seq) - 1
-    pos = torch.tensor(starts).unsqueeze(1) + torch.arange(width)
-    trees = [i for i in live if proposals[i].parents is not None]
-    tree = None
-    if trees:  # every other row (and padding) a chain: token t sees tokens 0..t
-        tree = ((1 << (torch.arange(width) + 1)) - 1).repeat(hi - lo, 1)
-        for i in trees:
-            masks = tree[rows[i].slot - lo]
-            for node, parent in enumerate(proposals[i].parents):
-                masks[node + 1] = masks[parent + 1] | (1 << (node + 1))
+    feeds = {rows[i].slot: [rows[i].seq[-1], *proposals[i].tokens] for i in live}
+    width = max(len(f) for f in feeds.values())
     # Keys up to the stepping rows' last position: a hole's dummies may sit further out (a row still
     # prefilling, a free slot's cached prefix); they are written all the same, and what their queries
     # attend to is never read. Every row attending to a hole's length would pay for it.
     kv_len = max(len(r.seq) for r in rows) - 1 + width
-    tree_arg = {} if tree is None else {"tree": tree.to(target.device)}  # compiled forwards take no trees
-    logits = target(tokens.to(target.device), pos.to(target.device), cache, kv_len=kv_len,
-                    rows=slice(None) if full_span else slice(lo, hi), **tree_arg)
+    logits, lo = span_forward(target, cache, feeds, {rows[i].slot: len(rows[i].seq) - 1 for i in live}, kv_len,
+                              full_span, {rows[i].slot: proposals[i].parents for i in live
+                                          if proposals[i].parents is not None})
     sync(logits.device)  # charge the forward to "score", not to the first sync in "verify"
-    report.span, report.width = hi - lo, width
+    report.span, report.width = logits.shape[0], width
     return logits, lo
 
 

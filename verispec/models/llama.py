@@ -23,6 +23,7 @@ kernels="stock", head sizes the fused attention does not take).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -389,3 +390,35 @@ class Transformer(nn.Module):
             if isinstance(module, (DenseLinear, Int8Linear, Int4Linear)):
                 module.scratch = scratch
         return model
+
+
+def span_forward(model: Transformer, cache: KVCache, feeds: dict[int, list[int]], starts: dict[int, int],
+                 kv_len: int, full_span: bool = False, parents: dict[int, list[int]] | None = None,
+                 **kwargs: Any) -> tuple[torch.Tensor, int]:
+    """One forward over the cache rows spanned by ``feeds`` (slot -> tokens at positions ``starts[slot]``...).
+
+    Each fed row is right-padded with its last token to the widest feed; every other slot in the span
+    (all of them with ``full_span``: a compiled model's static shapes) gets dummies from its own cache
+    length on. Attention masks by position, so such entries are never read before they are
+    overwritten. ``parents`` makes a row's feed a token tree (its first token the root; node i's
+    parent index per :class:`~verispec.drafters.base.Proposal`). Returns the logits, one row per slot
+    of the span, and the span's first slot.
+    """
+    lo, hi = (0, cache.batch) if full_span else (min(feeds), max(feeds) + 1)
+    width = max(len(f) for f in feeds.values())
+    begin = list(cache.lengths[lo:hi])
+    tokens = torch.zeros(hi - lo, width, dtype=torch.long)
+    for slot, feed in feeds.items():
+        tokens[slot - lo] = torch.tensor(feed + [feed[-1]] * (width - len(feed)))
+        begin[slot - lo] = starts[slot]
+    pos = torch.tensor(begin).unsqueeze(1) + torch.arange(width)
+    if parents:  # every other row (and padding) a chain: token t sees tokens 0..t
+        tree = ((1 << (torch.arange(width) + 1)) - 1).repeat(hi - lo, 1)
+        for slot, ps in parents.items():
+            masks = tree[slot - lo]
+            for node, parent in enumerate(ps):
+                masks[node + 1] = masks[parent + 1] | (1 << (node + 1))
+        kwargs["tree"] = tree.to(model.device)  # named only when present: compiled forwards take no trees
+    logits = model(tokens.to(model.device), pos.to(model.device), cache, kv_len=kv_len,
+                   rows=slice(None) if full_span else slice(lo, hi), **kwargs)
+    return logits, lo
