@@ -20,6 +20,7 @@ from verispec import SamplingParams, SpecConfig, VerispecError
 from verispec.bench.methods import parse_method
 from verispec.config import DEFAULT_SPEC
 from verispec.drafters import make_drafter
+from verispec.drafters.model import ModelDrafter
 from verispec.drafters.vocab import DraftVocab, linear_rows, prefix_linear, special_token_ids
 from verispec.engine.draft_runner import DraftRunner
 from verispec.engine.request import Request
@@ -331,7 +332,8 @@ def test_reduced_vocab_with_compile_is_refused(engine):
     for method in ("draft", "hybrid"):
         with pytest.raises(VerispecError, match="--compile"):
             make_drafter(SpecConfig(method=method, draft_vocab=N), ctx)
-    assert make_drafter(SpecConfig(method="draft"), ctx) is None  # the full head compiles
+    full = make_drafter(SpecConfig(method="draft"), ctx)  # the full head compiles
+    assert isinstance(full, ModelDrafter) and full.draft_vocab is None
 
 
 def test_drafters_without_a_draft_model_ignore_it(engine):

@@ -27,6 +27,7 @@ import verispec.engine.planning
 from verispec import Engine, SamplingParams, SpecConfig, VerispecError
 from verispec.drafters.base import Drafter, Proposal
 from verispec.drafters.hybrid import HybridDrafter
+from verispec.drafters.model import ModelDrafter
 from verispec.drafters.ngram import NgramDrafter
 from verispec.drafters.retrieval import RetrievalDrafter
 from verispec.engine.costs import CostCurve, CostModel
@@ -138,7 +139,10 @@ def watch_counts(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> Callable[[]
 @pytest.mark.parametrize("k", [2, 4, 7])
 def test_hybrid_with_a_draft_model_matches_plain(engine, plain, k, monkeypatch):
     spec = SpecConfig(k_policy="fixed", method="hybrid", k=k)
-    assert isinstance(engine.drafter(spec), HybridDrafter) and not hasattr(engine.drafter(spec), "model")
+    drafter = engine.drafter(spec)
+    # The draft model is the hybrid's own fallback: a drafter drafting through the engine's lockstep runner.
+    assert isinstance(drafter, HybridDrafter) and isinstance(drafter.model, ModelDrafter)
+    assert drafter.model.lockstep is engine.draft_runner and not drafter.lookups_only
     counts = watch_counts(engine, monkeypatch)
     forwards = engine.draft_runner.forwards
     results = engine.generate(PROMPTS, GREEDY, spec)
@@ -290,7 +294,9 @@ def test_the_draft_model_stays_consistent_across_lookup_steps(engine, plain, mon
 def test_without_a_draft_model_is_lookup_only(qwen2_tiny, plain, monkeypatch):
     engine = make_engine(qwen2_tiny.model)
     spec = SpecConfig(k_policy="fixed", method="hybrid", k=3)
-    assert isinstance(engine.drafter(spec), HybridDrafter) and engine.draft_runner is None
+    drafter = engine.drafter(spec)
+    assert isinstance(drafter, HybridDrafter) and engine.draft_runner is None
+    assert drafter.model is None and drafter.lookups_only
     counts = watch_counts(engine, monkeypatch)
     results = engine.generate(PROMPTS, GREEDY, spec)
     assert [r.token_ids for r in results] == plain
@@ -348,7 +354,8 @@ def test_hybrid_sampling_is_exact(small_vocab_target, small_vocab_close_draft, m
     built: list[HybridDrafter] = []
 
     def with_memory_store(spec, ctx):  # the engine's hybrid drafters, with a datastore held in memory
-        hybrid = HybridDrafter(NgramDrafter(spec.ngram_max, spec.ngram_min), RetrievalDrafter(memory_store(docs)))
+        hybrid = HybridDrafter(NgramDrafter(spec.ngram_max, spec.ngram_min), RetrievalDrafter(memory_store(docs)),
+                               model=ModelDrafter(ctx.lockstep))
         built.append(hybrid)
         return hybrid
 

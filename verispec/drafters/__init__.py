@@ -31,18 +31,18 @@ def own_drafter(drafter: CustomDrafter) -> Drafter:
 def make_drafter(spec: SpecConfig, ctx: DraftContext) -> Drafter | None:
     """Build the per-row drafter ``spec.method`` names, for ``ctx``'s target (and draft model).
 
-    The draft model itself is no per-row drafter: the engine's draft runner drafts for every row
-    that uses it, so method ``draft`` has none (None) and ``hybrid``'s is its lookups, which the
-    engine falls back from to the draft model. ``spec.draft_vocab`` reduces the draft model's head
-    and ``spec.draft_window`` the prompt it reads; methods without a draft model ignore them, so a
+    A draft model's rows draft through the engine's lockstep runner (``ctx.lockstep``), each with a
+    :class:`~verispec.drafters.model.ModelDrafter`: method ``draft``'s, and ``hybrid``'s for the steps
+    its lookups are not trusted on. ``spec.draft_vocab`` reduces the draft model's head and
+    ``spec.draft_window`` the prompt it reads; methods without a draft model ignore them, so a
     server's default spec carrying them still serves requests that ask for ``ngram``.
     """
     if spec.method in ("draft", "hybrid") and ctx.draft is not None:
         _check_draft_model(spec, ctx)
     if spec.method == "draft":
-        if ctx.draft is None:
+        if ctx.draft is None or ctx.lockstep is None:
             raise VerispecError("method 'draft' needs a draft model (--draft)")
-        return None
+        return _model_drafter(spec, ctx)
     if spec.method == "ngram":
         from verispec.drafters.ngram import NgramDrafter
 
@@ -60,6 +60,15 @@ def make_drafter(spec: SpecConfig, ctx: DraftContext) -> Drafter | None:
     if spec.method == "suffix":
         return _make_suffix(spec, ctx)
     raise VerispecError(f"method '{spec.method}' is not available yet")
+
+
+def _model_drafter(spec: SpecConfig, ctx: DraftContext) -> Drafter | None:
+    """A row's drafter on the draft model (None without one)."""
+    from verispec.drafters.model import ModelDrafter
+
+    if ctx.lockstep is None:
+        return None
+    return ModelDrafter(ctx.lockstep, spec.draft_vocab, spec.draft_window, spec.min_confidence)
 
 
 def _check_draft_model(spec: SpecConfig, ctx: DraftContext) -> None:
@@ -113,11 +122,11 @@ def _make_hybrid(spec: SpecConfig, ctx: DraftContext) -> Drafter:
                             "use --method layerskip for early-exit drafts")
     retrieval = RetrievalDrafter(_open_datastore(spec, ctx)) if spec.datastore else None
     lookup = _make_suffix(spec, ctx) if spec.lookup == "suffix" else NgramDrafter(spec.ngram_max, spec.ngram_min)
-    return HybridDrafter(lookup, retrieval)
+    return HybridDrafter(lookup, retrieval, model=_model_drafter(spec, ctx))
 
 
 class DrafterPool:
-    """Per-row drafters (n-gram, retrieval, layer-skip, hybrid's lookups), one per running request.
+    """Per-row drafters (the draft model's, n-gram, retrieval, layer-skip, hybrid), one per running request.
 
     Drafters keep per-sequence state, so two rows never share one; finished requests return
     theirs for reuse (``begin`` resets it), so a drafter is built at most once per slot.

@@ -5,7 +5,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Hashable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -14,6 +14,23 @@ from verispec.sampling import SamplingParams, probs_from_logits, sample
 if TYPE_CHECKING:
     from verispec.models.kv_cache import KVCache
     from verispec.models.llama import Transformer
+
+
+class Lockstep(Protocol):
+    """A draft model that drafts many rows in one forward per token (the engine's draft runner).
+
+    Rows draft through it with a :class:`~verispec.drafters.model.ModelDrafter` each; a step collects
+    the rows whose drafter drafts through the same lockstep and calls :meth:`propose` once for them.
+    """
+
+    def begin(self, slot: int, prompt: list[int] | None = None, draft_vocab: int | None = None,
+              window: int | None = None) -> int: ...
+
+    def propose(self, rows: list[Any]) -> list[Proposal]: ...
+
+    def commit(self, slot: int, n_valid: int) -> None: ...
+
+    def release(self, slot: int, seq: list[int] | None = None) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -34,6 +51,7 @@ class DraftContext:
     # The target's forward takes token trees (an eager forward in one process; compiled and tensor-parallel
     # forwards take chains only).
     trees: bool = True
+    lockstep: Lockstep | None = None  # the draft model's runner, when the engine has a draft model
 
 
 @dataclass
@@ -76,9 +94,12 @@ class Drafter(ABC):
     # Seconds per drafted token as a share of a one-token target forward: what the cost policy charges
     # for this drafter's proposals (0: a lookup, next to free).
     forward_fraction: float = 0.0
-    # It proposes only what :meth:`free_tokens` offers (hybrid's lookups): without an offer its row drafts with
-    # the engine's draft model, if the row has one, or decodes plainly; the k policy never sizes its proposals.
+    # It proposes only what :meth:`free_tokens` offers (hybrid's lookups without a draft model): without an
+    # offer its row decodes plainly; the k policy never sizes its proposals.
     lookups_only: bool = False
+    # The shared forward this drafter's rows draft through together (a draft model's rows), else None:
+    # the step calls ``lockstep.propose`` once for all of them instead of each row's :meth:`propose`.
+    lockstep: Lockstep | None = None
 
     def use_row(self, slot: int) -> None:  # noqa: B027 (optional hook)
         """The next request runs in row ``slot`` of the engine's caches (called before :meth:`begin`)."""
@@ -99,8 +120,14 @@ class Drafter(ABC):
         Called once per completed request, after its last :meth:`commit`; not for a request that failed.
         """
 
+    def drafting(self) -> Drafter:
+        """The drafter that drafts this step (after :meth:`free_tokens`): this one, or one it wraps (the
+        hybrid's draft model where no lookup is offered)."""
+        return self
+
     def model_drafted(self) -> None:  # noqa: B027 (optional hook)
-        """The engine's draft model drafted this step, not this drafter (one that tallies its sources counts it)."""
+        """The step's draft came from :meth:`drafting`'s lockstep, not from :meth:`propose` (a drafter that
+        tallies its sources counts it)."""
 
     def free_tokens(self, seq: list[int], k: int, params: SamplingParams, generator: torch.Generator | None) -> int:
         """How many tokens (at most ``k``) this drafter would propose here at no draft cost and trusts.

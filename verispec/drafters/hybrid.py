@@ -8,8 +8,9 @@ identifiers, edits that quote their input); a model draft costs forwards but wor
 Each step the hybrid takes the lookup proposal with the longest match if that match is at least
 ``min_match`` tokens long and proposes at least two tokens. Such a lookup is offered to the engine
 as free (:meth:`Drafter.free_tokens`): it is drafted even when the k policy finds the model not
-worth running. Without one the engine drafts the row with its draft model (the engine's draft
-runner, which sees every step's rollback), or decodes plainly if it has none.
+worth running. Without one the row drafts with the draft model (:meth:`HybridDrafter.drafting` is
+its :class:`~verispec.drafters.model.ModelDrafter`, which drafts in lockstep with the other rows),
+or decodes plainly if there is none.
 """
 
 from __future__ import annotations
@@ -28,20 +29,21 @@ DEFAULT_MIN_MATCH = 3
 
 
 class HybridDrafter(Drafter):
-    """The lookups of hybrid drafting: a context lookup (n-gram or suffix) and, if given, the retrieval drafter.
+    """Hybrid drafting: a context lookup (n-gram or suffix), if given the retrieval drafter, and the draft
+    ``model`` for the steps no lookup is trusted on (without one those steps decode plainly).
 
     A lookup reports its match length in ``last_match`` and the longest it looks for in ``max_n``.
     Every sub-drafter sees every :meth:`begin`, :meth:`commit` and :meth:`end`, drafted or not.
     ``counts`` tallies which source drafted each step, by its name ("ngram" or "suffix",
-    "retrieval", and "draft" for the steps the engine's draft model drafted).
+    "retrieval", "draft").
     """
 
     name = "hybrid"
-    lookups_only = True
 
     def __init__(self, lookup: NgramDrafter | SuffixDrafter, retrieval: RetrievalDrafter | None = None,
-                 min_match: int = DEFAULT_MIN_MATCH) -> None:
-        self.lookup, self.retrieval = lookup, retrieval
+                 min_match: int = DEFAULT_MIN_MATCH, model: Drafter | None = None) -> None:
+        self.lookup, self.retrieval, self.model = lookup, retrieval, model
+        self.lookups_only = model is None
         self.min_match = min_match
         self.counts: Counter[str] = Counter()
         # (len(seq), (source, lookup)) from free_tokens: offered, counted only once drafted
@@ -52,11 +54,19 @@ class HybridDrafter(Drafter):
         self._offered = (len(seq), best)
         return 0 if best is None else len(best[1].tokens)
 
+    def drafting(self) -> Drafter:
+        offered = self._offered is not None and self._offered[1] is not None
+        return self.model if self.model is not None and not offered else self
+
     def model_drafted(self) -> None:
         self.counts["draft"] += 1
 
     def _subs(self) -> list[Drafter]:
-        return [d for d in (self.lookup, self.retrieval) if d is not None]
+        return [d for d in (self.lookup, self.retrieval, self.model) if d is not None]
+
+    def use_row(self, slot: int) -> None:
+        if self.model is not None:
+            self.model.use_row(slot)
 
     def begin(self, prompt: list[int]) -> None:
         self._offered = None
@@ -70,6 +80,9 @@ class HybridDrafter(Drafter):
         if lookup is not None:
             self.counts[lookup[0]] += 1
             return lookup[1].cut(k)  # lookups are deterministic: no distributions
+        if self.model is not None:
+            self.counts["draft"] += 1
+            return self.model.propose(seq, k, params, generator)
         self.counts["none"] += 1
         return Proposal([])
 

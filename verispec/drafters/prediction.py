@@ -109,6 +109,9 @@ class PredictionDrafter(Drafter):
         if self.inner is not None:
             self.inner.end(seq)
 
+    def drafting(self) -> Drafter:
+        return self.inner.drafting() if self.inner is not None and not self.offering else self
+
     def model_drafted(self) -> None:
         if self.inner is not None:
             self.inner.model_drafted()

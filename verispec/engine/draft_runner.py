@@ -78,9 +78,9 @@ class DraftRunner:
     """
 
     def __init__(self, model: Transformer, slots: int, cache_len: int, vocab_size: int | None = None,
-                 special_ids: Iterable[int] = (), full_span: bool = False) -> None:
+                 special_ids: Iterable[int] = (), full_span: bool = False, prefix_reuse: bool = True) -> None:
         self.model = model
-        self.full_span = full_span
+        self.full_span, self.prefix_reuse = full_span, prefix_reuse
         self.cache = model.new_cache(slots, cache_len)
         # Draft and target embeddings may differ in padding rows; q must live on the target's vocabulary.
         self.vocab_size = vocab_size or model.args.vocab_size
@@ -101,6 +101,7 @@ class DraftRunner:
         self.reduced_forwards = 0  # lockstep forwards that ran a reduced head
         self._windows: dict[int, DraftWindow] = {}  # per slot: the part of its sequence the draft reads
         self.prefixes = SlotPrefixes()  # per free slot: the draft tokens its row holds
+        self.reused_tokens = 0  # prompt tokens rows held from their slot's previous sequence at begin
 
     def begin(self, slot: int, prompt: list[int] | None = None, draft_vocab: int | None = None,
               window: int | None = None) -> int:
@@ -116,6 +117,7 @@ class DraftRunner:
         # 0, 1, ...: valid for any later sequence whose own read starts with them (window or not; the
         # head, full or reduced, only maps the last hidden state to logits and leaves K/V alone).
         self.cache.lengths[slot] = self.prefixes.claim(slot, reads.view(list(prompt or ())))
+        self.reused_tokens += self.cache.lengths[slot]
         self._epoch[slot] = self._epoch.get(slot, 0) + 1
         check_draft_vocab(draft_vocab)
         if draft_vocab is None or draft_vocab >= self.model.args.vocab_size:
@@ -130,8 +132,8 @@ class DraftRunner:
 
     def release(self, slot: int, seq: list[int] | None = None) -> None:
         """The sequence in ``slot`` is done; its row keeps the K/V of what its draft read of ``seq``
-        (its final sequence) for the slot's next draft sequence. ``seq`` None keeps nothing."""
-        if seq is None:
+        (its final sequence) for the slot's next draft sequence. ``seq`` None (or no prefix reuse) keeps nothing."""
+        if seq is None or not self.prefix_reuse:
             self.prefixes.forget(slot)
             self.cache.reset(slot)
         else:

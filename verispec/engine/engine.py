@@ -86,7 +86,8 @@ class Engine:
             if draft is not None:
                 compile_model(draft, size.cache_len, warmup=(1, 2), batch=size.slots)
         self.draft_runner = (DraftRunner(draft, size.slots, size.cache_len, target.args.vocab_size,
-                                         special_token_ids(tokenizer, self.eos_ids), full_span=config.compile)
+                                         special_token_ids(tokenizer, self.eos_ids), full_span=config.compile,
+                                         prefix_reuse=config.prefix_reuse)
                              if draft is not None else None)
         self.costs = costs
         self.policy: CostPolicy | None = None if costs is None else CostPolicy(costs)
@@ -173,11 +174,11 @@ class Engine:
     def draft_context(self) -> DraftContext:
         """What per-row drafters for this engine are built from (its models, cache and tokenizer)."""
         return DraftContext(self.target, self.cache, self.draft, self.tokenizer, self.config.compile, self._shared,
-                            trees=not self.config.compile and self.config.tp == 1)
+                            trees=not self.config.compile and self.config.tp == 1, lockstep=self.draft_runner)
 
     def drafter(self, spec: SpecConfig) -> Drafter | None:
-        """A new per-row drafter for ``spec`` (None for plain decoding and for method ``draft``, whose
-        drafts come from the engine's draft runner); raises a :class:`VerispecError` if it cannot be built."""
+        """A new per-row drafter for ``spec`` (None for plain decoding); raises a :class:`VerispecError` if it
+        cannot be built."""
         return make_drafter(spec, self._drafters.ctx) if spec.enabled else None
 
     def check_spec(self, spec: SpecConfig) -> None:
@@ -359,7 +360,7 @@ class Engine:
             return
         policy_k = plan_step(stepping, self.max_len, self._policy, self.slots if self.config.compile else None)
         report = step_isolated(partial(speculative_step, self.target, self.cache, draft_model=self.draft_runner,
-                                       full_span=self.config.compile), stepping, self.cache, self.draft_runner)
+                                       full_span=self.config.compile), stepping, self.cache)
         self.stats.record(report, policy_k)
         now = time.perf_counter()
         for i, req in enumerate(stepping):
@@ -381,8 +382,6 @@ class Engine:
             req.acceptance.update(report.drafted[i], report.accepted[i])
         elif req.lookup is not None:
             req.lookup.update(report.drafted[i], report.accepted[i])
-        if req.use_model and req.k and req.drafter is not None:
-            req.drafter.model_drafted()
         if not req.n_out:  # engine time, from admission: queueing is the handle's (submitted_at)
             req.metrics.ttft_s = now - req.handle.admitted_at
         n_before = len(req.seq)

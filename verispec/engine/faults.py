@@ -7,7 +7,6 @@ from collections.abc import Callable
 
 import torch
 
-from verispec.engine.draft_runner import DraftRunner
 from verispec.engine.request import Request
 from verispec.engine.step import StepReport
 from verispec.log import logger
@@ -16,8 +15,7 @@ from verispec.models.kv_cache import KVCache
 RowState = tuple[int, torch.Tensor | None]
 
 
-def step_isolated(run: Callable[[list[Request]], StepReport], rows: list[Request], cache: KVCache,
-                  draft_runner: DraftRunner | None) -> StepReport:
+def step_isolated(run: Callable[[list[Request]], StepReport], rows: list[Request], cache: KVCache) -> StepReport:
     """``run(rows)``, one speculative step; a row that fails it is in ``report.failed``, the others advance.
 
     A row whose own drafter raises is left out of the step by the step itself. If the step raises
@@ -31,17 +29,17 @@ def step_isolated(run: Callable[[list[Request]], StepReport], rows: list[Request
         return run(rows)
     except Exception as e:  # noqa: BLE001 (isolated below)
         if len(rows) == 1:
-            _restore_row(cache, draft_runner, rows[0], saved[0])
+            _restore_row(cache, rows[0], saved[0])
             return _failed_alone(e)
         logger.warning("a step of %d rows failed (%r); retrying its rows one by one", len(rows), e)
     for row, state in zip(rows, saved, strict=True):
-        _restore_row(cache, draft_runner, row, state)
+        _restore_row(cache, row, state)
     report = StepReport(len(rows), 0, 0, 0, 0.0, 0.0, 0.0, retried=True)
     for i, (row, state) in enumerate(zip(rows, saved, strict=True)):
         try:
             alone = run([row])
         except Exception as e:  # noqa: BLE001 (this row fails on its own: it is the culprit)
-            _restore_row(cache, draft_runner, row, state)
+            _restore_row(cache, row, state)
             alone = _failed_alone(e)
         report.new_tokens += alone.new_tokens
         report.drafted += alone.drafted
@@ -67,17 +65,15 @@ def _row_state(cache: KVCache, row: Request) -> RowState:
     return cache.lengths[row.slot], None if row.generator is None else row.generator.get_state()
 
 
-def _restore_row(cache: KVCache, draft_runner: DraftRunner | None, row: Request, state: RowState) -> None:
+def _restore_row(cache: KVCache, row: Request, state: RowState) -> None:
     """Undo a step that raised: the row is back to ``seq`` with nothing drafted or accepted.
 
-    The target's cache row is back at ``len(seq) - 1``; the draft runner and a per-row drafter
-    are told that only ``seq`` is final (they lower their lengths and catch up next time), and the
-    generator is back where it was, so a retried sampled row draws what it would have drawn.
+    The target's cache row is back at ``len(seq) - 1``; the row's drafter is told that only ``seq`` is
+    final (a draft model's row lowers its length and catches up next time), and the generator is back
+    where it was, so a retried sampled row draws what it would have drawn.
     """
     length, generator_state = state
     cache.lengths[row.slot] = length
-    if row.model_draft and draft_runner is not None:
-        draft_runner.commit(row.slot, len(row.seq))
     if row.drafter is not None:
         try:
             row.drafter.commit(len(row.seq))

@@ -33,7 +33,7 @@ def plan_step(requests: list[Request], max_len: int, policy: Callable[[], CostPo
 
 
 def plan_row(req: Request, room: int, target_token_s: Callable[[], float]) -> RowPlan:
-    """Set up ``req``'s step (``use_model``: whether the draft model drafts it) and say what the policy knows.
+    """Set up ``req``'s step (what its drafter offers for free) and say what the policy knows.
 
     ``room``: positions left in its slot (a step uses k + 1 of them); ``target_token_s()``: the target's
     seconds for one token, which prices a drafter that runs target layers.
@@ -44,24 +44,24 @@ def plan_row(req: Request, room: int, target_token_s: Callable[[], float]) -> Ro
     offer = k_cap(K_MAX, req.params, n_out, room) if req.predictor and req.kpolicy is None else cap
     req.governed = False
     if not offer:  # nothing to draft (a plain request, or no room): nothing for a policy to decide
-        req.use_model, req.lookup = False, None
+        req.lookup = None
         return RowPlan(0)
     # A trusted lookup (hybrid, a prediction) costs no draft time and is valued at the acceptance the
     # request's lookups of its kind reach; the cost policy drafts as much of it as pays (``optional``), a
     # request's own k policy all of it.
-    # Without one a hybrid row drafts with the draft model.
+    # Without one a hybrid row drafts with the draft model (its drafter's ``drafting()``).
     drafter = req.drafter
-    free = drafter.free_tokens(req.seq, offer, req.params, req.generator) if drafter is not None else 0
-    lookup_only = drafter is not None and drafter.lookups_only and not req.model_draft
-    req.use_model = req.model_draft and not free
+    assert drafter is not None  # a row with something to offer speculates
+    free = drafter.free_tokens(req.seq, offer, req.params, req.generator)
+    source_drafter = drafter.drafting()
+    lockstep = source_drafter.lockstep is not None
     source = req.prediction_acceptance if req.predictor and req.predictor.offering else req.lookup_acceptance
     req.lookup = source if free else None
-    if free or lookup_only:
+    if free or drafter.lookups_only:
         return RowPlan(max(cap, free), fixed_k=free, optional=req.kpolicy is None, fixed_rate=source.rate)
     if req.kpolicy is not None:
-        return RowPlan(cap, fixed_k=req.kpolicy.choose(cap), model_draft=req.use_model)
+        return RowPlan(cap, fixed_k=req.kpolicy.choose(cap), model_draft=lockstep)
     req.governed = True
-    own_s = 0.0
-    if drafter is not None and not req.use_model and drafter.forward_fraction:
-        own_s = drafter.forward_fraction * target_token_s()
-    return RowPlan(cap, req.acceptance.rate, model_draft=req.use_model, draft_token_s=own_s, probes=req.probes)
+    fraction = 0.0 if lockstep else source_drafter.forward_fraction
+    own_s = fraction * target_token_s() if fraction else 0.0
+    return RowPlan(cap, req.acceptance.rate, model_draft=lockstep, draft_token_s=own_s, probes=req.probes)

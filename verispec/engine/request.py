@@ -140,10 +140,9 @@ class Request:
     """One request as the engine, the scheduler, the step, the draft runner and the policy see it.
 
     ``seq`` is the prompt, then the output (``out``); while the request holds a slot, ``slot`` is
-    its row of every KV cache and ``generator`` samples it. ``drafter`` is the row's drafter (n-gram,
-    retrieval, layer-skip, the hybrid's lookups, a prediction's), ``model_draft`` whether it can draft
-    through the engine's draft model; neither means plain decoding. Before each step the engine sets
-    ``k`` and ``use_model`` (this step's draft comes from the draft model, else from ``drafter``).
+    its row of every KV cache and ``generator`` samples it. ``drafter`` is the row's drafter (the draft
+    model's, n-gram, retrieval, layer-skip, hybrid, a prediction's; None: plain decoding); before each
+    step the engine sets ``k``, and ``drafter.drafting()`` says which drafter drafts it.
 
     ``kpolicy`` is its own k policy (fixed, heuristic), or None where the engine's cost policy governs
     it from ``acceptance`` and ``probes``; ``lookup_acceptance`` is what its trusted lookups (hybrid)
@@ -164,10 +163,8 @@ class Request:
     slot: int | None = None
     generator: torch.Generator | None = None
     drafter: Drafter | None = None
-    model_draft: bool = False
     min_confidence: float = 0.0
     k: int = 0
-    use_model: bool = False
     # What the k policy knows of it.
     kpolicy: FixedK | None = None
     acceptance: Acceptance = field(default_factory=Acceptance)
@@ -195,4 +192,4 @@ class Request:
 
     @property
     def speculates(self) -> bool:
-        return self.model_draft or self.drafter is not None
+        return self.drafter is not None

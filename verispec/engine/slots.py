@@ -51,18 +51,15 @@ class Slots:
         req.generator = None if req.params.greedy else req.params.generator(self.target.device)
         if spec.enabled:
             req.drafter = req.own_drafter or self.drafters.acquire(spec)
-            req.model_draft = req.own_drafter is None and spec.method in ("draft", "hybrid") and \
-                self.draft_runner is not None
             req.min_confidence = spec.min_confidence
         if req.prediction is not None:  # the prediction drafts where it matches, the method's drafter elsewhere
             req.predictor = req.drafter = PredictionDrafter(req.prediction, req.drafter, spec.k)
         if req.drafter is not None:
+            before = self.draft_runner.reused_tokens if self.draft_runner is not None else 0
             req.drafter.use_row(slot)
             req.drafter.begin(req.prompt)
-        if req.model_draft:
-            assert self.draft_runner is not None
-            self.stats.prefix_draft_reused_tokens += self.draft_runner.begin(slot, req.prompt, spec.draft_vocab,
-                                                                             spec.draft_window)
+            if self.draft_runner is not None:  # what a draft model's row kept of the slot's previous prompt
+                self.stats.prefix_draft_reused_tokens += self.draft_runner.reused_tokens - before
         req.slot = slot
 
     def prefill(self, requests: list[Request], budget: int) -> list[tuple[Request, Exception]]:
@@ -107,10 +104,8 @@ class Slots:
         else:
             self.prefixes.forget(slot)
             self.cache.reset(slot)
-        if self.draft_runner is not None and (req.model_draft or error is not None):
-            self.draft_runner.release(slot, req.seq if self.prefix_reuse and error is None else None)
         # A drafter goes back to the pool unless it was the caller's own, or its request (or its end hook)
-        # failed: it may be what failed.
+        # failed: it may be what failed. Its end hook releases a draft model's row (keeping its prefix).
         drafter: Any = req.drafter
         if drafter is not None and error is None:
             try:
@@ -118,6 +113,8 @@ class Slots:
             except Exception:  # noqa: BLE001 (the answer is complete; only this drafter is suspect)
                 logger.warning("drafter %s failed to end request %d", drafter.name, req.handle.id, exc_info=True)
                 drafter = None
+        if self.draft_runner is not None and (error is not None or (req.drafter is not None and drafter is None)):
+            self.draft_runner.release(slot)  # the draft row keeps nothing of a failed request
         if req.predictor is not None:  # a prediction's drafter is its request's alone
             drafter = req.predictor.inner if drafter is not None else None
         if drafter is not None and req.own_drafter is None and error is None:

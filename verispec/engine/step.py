@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from verispec.drafters.base import Proposal
+from verispec.drafters.base import Lockstep, Proposal
 from verispec.engine.draft_runner import DraftRunner
 from verispec.engine.metrics import sync
 from verispec.engine.request import Request
@@ -77,7 +77,7 @@ def speculative_step(target: Transformer, cache: KVCache, rows: list[Request], d
     """
     t0 = time.perf_counter()
     before = _draft_counters(draft_model)
-    proposals, failed = _propose(rows, draft_model)
+    proposals, failed = _propose(rows)
     live = [i for i in range(len(rows)) if i not in failed]
     t1 = time.perf_counter()
     report = StepReport(len(rows), 0, 0, 0, t1 - t0, 0.0, 0.0, context=max(len(r.seq) for r in rows),
@@ -88,7 +88,7 @@ def speculative_step(target: Transformer, cache: KVCache, rows: list[Request], d
     logits, lo = _score(target, cache, rows, proposals, live, full_span, report)
     t2 = time.perf_counter()
     report.score_s = t2 - t1
-    _verify(cache, rows, proposals, live, logits, lo, draft_model, report)
+    _verify(cache, rows, proposals, live, logits, lo, report)
     report.verify_s = time.perf_counter() - t2
     after = _draft_counters(draft_model)
     report.draft_forwards, report.catch_ups, report.catch_up_tokens = (a - b for a, b in zip(after[:3], before[:3],
@@ -107,21 +107,30 @@ def _draft_counters(draft_model: DraftRunner | None) -> tuple[int, int, int, flo
     return draft_model.forwards, draft_model.catch_ups, draft_model.catch_up_tokens, draft_model.catch_up_s
 
 
-def _propose(rows: list[Request], draft_model: DraftRunner | None) -> tuple[list[Proposal], dict[int, BaseException]]:
-    """1. Propose: model rows draft together in lockstep, per-row drafters one by one; each cut to its k."""
+def _propose(rows: list[Request]) -> tuple[list[Proposal], dict[int, BaseException]]:
+    """1. Propose: rows whose drafter drafts through a lockstep (the draft model) draft together, one call
+    per lockstep; the other drafters one by one; each proposal cut to its row's k."""
     proposals = [Proposal([])] * len(rows)
     failed: dict[int, BaseException] = {}
-    model_rows = [i for i, r in enumerate(rows) if r.model_draft and r.use_model and r.k > 0]
-    if model_rows:
-        assert draft_model is not None, "model-drafting rows need the batch's draft model"
-        for i, p in zip(model_rows, draft_model.propose([rows[i] for i in model_rows]), strict=True):
-            proposals[i] = p
+    together: dict[int, tuple[Lockstep, list[int]]] = {}
+    alone = []
     for i, r in enumerate(rows):
-        if r.drafter is not None and not r.use_model and r.k > 0:
-            try:
-                proposals[i] = r.drafter.propose(r.seq, r.k, r.params, r.generator)
-            except Exception as e:  # noqa: BLE001 (this row's drafter: the row fails, the step goes on)
-                failed[i] = e
+        if r.drafter is not None and r.k > 0:
+            lockstep = r.drafter.drafting().lockstep
+            if lockstep is None:
+                alone.append(i)
+            else:
+                together.setdefault(id(lockstep), (lockstep, []))[1].append(i)
+    for lockstep, rows_of in together.values():
+        for i, p in zip(rows_of, lockstep.propose([rows[i] for i in rows_of]), strict=True):
+            proposals[i] = p
+            rows[i].drafter.model_drafted()
+    for i in alone:
+        r = rows[i]
+        try:
+            proposals[i] = r.drafter.propose(r.seq, r.k, r.params, r.generator)
+        except Exception as e:  # noqa: BLE001 (this row's drafter: the row fails, the step goes on)
+            failed[i] = e
     return [p.cut(r.k) for p, r in zip(proposals, rows, strict=True)], failed
 
 
@@ -143,7 +152,7 @@ def _score(target: Transformer, cache: KVCache, rows: list[Request], proposals: 
 
 
 def _verify(cache: KVCache, rows: list[Request], proposals: list[Proposal], live: list[int], logits: torch.Tensor,
-            lo: int, draft_model: DraftRunner | None, report: StepReport) -> None:
+            lo: int, report: StepReport) -> None:
     """3. Verify each row against its own slice of the logits, with its own generator (nothing changes yet);
     4. roll back to what was accepted: the row keeps K/V for seq[-1] and its accepted path d_a1..d_an."""
     verdicts = []
@@ -167,8 +176,6 @@ def _verify(cache: KVCache, rows: list[Request], proposals: list[Proposal], live
             except Exception as e:  # noqa: BLE001 (this row's drafter, as in propose: its cache stays put)
                 report.failed[i] = e
                 continue
-        if r.model_draft and draft_model is not None:
-            draft_model.commit(r.slot, len(r.seq) + chain_n)
         if chain_n < n:
             _compact(cache, r.slot, len(r.seq), path)
         cache.lengths[r.slot] = len(r.seq) + n

@@ -1,0 +1,58 @@
+"""The draft model as a drafter: one row's view of the engine's lockstep draft runner.
+
+Every row that drafts with the draft model has a :class:`ModelDrafter`; a step collects them and the
+runner drafts all their rows in one forward per token (:class:`~verispec.drafters.base.Lockstep`). The
+drafter tells the runner which row it drafts in, which prompt starts there (with a reduced draft
+vocabulary or a draft window, if the spec asks for one), what is final after each step and when the
+request ends.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from verispec.drafters.base import Drafter, Lockstep, Proposal
+from verispec.sampling import SamplingParams
+
+
+@dataclass
+class _Row:
+    """One row's request to the runner, outside a batched step."""
+
+    slot: int
+    seq: list[int]
+    k: int
+    params: SamplingParams
+    generator: torch.Generator | None
+    min_confidence: float
+
+
+class ModelDrafter(Drafter):
+    """Drafts one row with the draft model through the shared ``lockstep`` runner."""
+
+    name = "draft"
+
+    def __init__(self, lockstep: Lockstep, draft_vocab: int | None = None, draft_window: int | None = None,
+                 min_confidence: float = 0.0) -> None:
+        self.lockstep = lockstep
+        self.draft_vocab, self.draft_window, self.min_confidence = draft_vocab, draft_window, min_confidence
+        self.slot = -1
+        self.reused = 0  # prompt tokens the row held from the slot's previous draft sequence at begin
+
+    def use_row(self, slot: int) -> None:
+        self.slot = slot
+
+    def begin(self, prompt: list[int]) -> None:
+        self.reused = self.lockstep.begin(self.slot, prompt, self.draft_vocab, self.draft_window)
+
+    def propose(self, seq: list[int], k: int, params: SamplingParams, generator: torch.Generator | None) -> Proposal:
+        """This row alone (a step drafts every lockstep row in one call instead)."""
+        return self.lockstep.propose([_Row(self.slot, seq, k, params, generator, self.min_confidence)])[0]
+
+    def commit(self, n_valid: int) -> None:
+        self.lockstep.commit(self.slot, n_valid)
+
+    def end(self, seq: list[int]) -> None:
+        self.lockstep.release(self.slot, seq)
