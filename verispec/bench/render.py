@@ -42,7 +42,9 @@ ROOT = Path(__file__).resolve().parents[2]
 DEFAULT, README = ROOT / "docs" / "results", ROOT / "README.md"
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
 KNOWN_MACHINE_KEYS = {"date", "cpu", "threads", "bf16_native", "python", "torch", "transformers"}
-README_STEP = "int4_long"  # README's table, and the page's host
+# README's table: the first of these steps that ran on the page's host (the host of the latest run).
+README_STEPS = ("int4_long", "report")
+PEER_STEP = "int4_long"  # its llama.cpp headline goes under README's table where it ran on another host
 COLOURS = 64
 
 
@@ -723,10 +725,9 @@ def anchor(title: str) -> str:
 
 
 def page_host(root: Path, present: list[Section]) -> str:
-    """README's table's host, else the host most steps ran on."""
-    if any(s.step == README_STEP for s in present):
-        return host(step_machine(root / README_STEP))
-    return Counter(host(step_machine(root / s.step)) for s in present).most_common(1)[0][0]
+    """The host of the latest run: the page shows what the current code does there."""
+    latest = max(present, key=lambda s: str(step_machine(root / s.step).get("date", "")))
+    return host(step_machine(root / latest.step))
 
 
 def other_host_table(root: Path, base: Path, sections: list[Section]) -> list[str]:
@@ -768,10 +769,15 @@ CODE_COLUMNS = {"humaneval": "HumanEval", "chat_code": "chat code", "code_edit":
 
 
 def readme_table(root: Path, base: Path) -> str:
-    """README's one table: the long-answer int4 run against plain decoding and llama.cpp."""
-    folder = root / README_STEP
-    if not (folder / "report.json").is_file():
-        return f"_No {README_STEP} report in docs/results/._"
+    """README's one table: the page host's long-answer int4 run against plain decoding and llama.cpp, else its
+    report split; under it, the llama.cpp headline of another host's long-answer run."""
+    present = [s for s in SECTIONS if (root / s.step / "report.json").is_file()]
+    main = page_host(root, present) if present else ""
+    steps = [step for step in README_STEPS if any(s.step == step for s in present)
+             and host(step_machine(root / step)) == main]
+    if not steps:
+        return f"_No {' or '.join(README_STEPS)} report in docs/results/._"
+    folder = root / steps[0]
     report = load(folder / "report.json")
     s, m = report["settings"], report["models"]
     rows = rows_of(report)
@@ -806,6 +812,11 @@ def readme_table(root: Path, base: Path) -> str:
         p = next(r for r in report["summary"] if r["method"] == peer)
         out += ["", f"llama.cpp plain decoding made {p['tokens_per_s']:.2f} tokens/s on the same prompts "
                 f"({s['max_tokens']} new tokens each)."]
+    elif (root / PEER_STEP / "report.json").is_file():
+        other = root / PEER_STEP
+        out += ["", f"Against llama.cpp on the same GGUF file, long answers, {host(step_machine(other))}, run of "
+                f"{str(step_machine(other).get('date', '–'))[:10]}: {bench_headline(other)} "
+                f"({link(other / 'report.md', base, 'report')})."]
     return "\n".join(out)
 
 

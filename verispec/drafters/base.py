@@ -16,6 +16,18 @@ if TYPE_CHECKING:
     from verispec.models.llama import Transformer
 
 
+class DraftingRow(Protocol):
+    """What a :class:`Lockstep` reads of a row (an engine request): its slot, full sequence, k, sampling
+    settings and generator, and the confidence below which it stops drafting."""
+
+    slot: int
+    seq: list[int]
+    k: int
+    params: SamplingParams
+    generator: torch.Generator | None
+    min_confidence: float
+
+
 class Lockstep(Protocol):
     """A draft model that drafts many rows in one forward per token (the engine's draft runner).
 
@@ -26,7 +38,7 @@ class Lockstep(Protocol):
     def begin(self, slot: int, prompt: list[int] | None = None, draft_vocab: int | None = None,
               window: int | None = None) -> int: ...
 
-    def propose(self, rows: list[Any]) -> list[Proposal]: ...
+    def propose(self, rows: list[DraftingRow]) -> list[Proposal]: ...
 
     def commit(self, slot: int, n_valid: int) -> None: ...
 

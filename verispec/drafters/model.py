@@ -9,24 +9,12 @@ request ends.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 
 from verispec.drafters.base import Drafter, Lockstep, Proposal
 from verispec.sampling import SamplingParams
-
-
-@dataclass
-class _Row:
-    """One row's request to the runner, outside a batched step."""
-
-    slot: int
-    seq: list[int]
-    k: int
-    params: SamplingParams
-    generator: torch.Generator | None
-    min_confidence: float
 
 
 class ModelDrafter(Drafter):
@@ -49,7 +37,9 @@ class ModelDrafter(Drafter):
 
     def propose(self, seq: list[int], k: int, params: SamplingParams, generator: torch.Generator | None) -> Proposal:
         """This row alone (a step drafts every lockstep row in one call instead)."""
-        return self.lockstep.propose([_Row(self.slot, seq, k, params, generator, self.min_confidence)])[0]
+        row = SimpleNamespace(slot=self.slot, seq=seq, k=k, params=params, generator=generator,
+                              min_confidence=self.min_confidence)
+        return self.lockstep.propose([row])[0]
 
     def commit(self, n_valid: int) -> None:
         self.lockstep.commit(self.slot, n_valid)

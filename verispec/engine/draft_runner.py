@@ -25,32 +25,19 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 
-from verispec.drafters.base import Proposal
+from verispec.drafters.base import DraftingRow, Proposal
 from verispec.drafters.vocab import DraftVocab, SubsetHead, check_draft_vocab
 from verispec.drafters.window import DraftWindow
 from verispec.engine.metrics import sync
 from verispec.engine.prefix import SlotPrefixes, held_tokens
 from verispec.models.llama import Transformer, span_forward
-from verispec.sampling import SamplingParams, probs_from_logits, sample
+from verispec.sampling import probs_from_logits, sample
 
 # A row whose catch-up exceeds this many tokens catches up alone before the lockstep.
 MAX_LOCKSTEP_FEED = 3
-
-
-class DraftingRow(Protocol):
-    """What the runner reads of a row (an engine :class:`~verispec.engine.request.Request`): its slot,
-    full sequence, k, sampling settings and generator, and the confidence below which it stops drafting."""
-
-    slot: int
-    seq: list[int]
-    k: int
-    params: SamplingParams
-    generator: torch.Generator | None
-    min_confidence: float
 
 
 @dataclass(eq=False)
