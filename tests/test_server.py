@@ -373,8 +373,9 @@ def test_predicted_outputs_through_the_openai_client(http: httpx.Client, oai: Op
     assert chunks[-1].usage.completion_tokens_details.accepted_prediction_tokens == alone.accepted_prediction_tokens
     completion = oai.completions.create(model=MODEL, prompt="Hello", max_tokens=20, **GREEDY)
     predicted = {"type": "content", "content": completion.choices[0].text}
+    # On the speculative path: routed by the canary, a predicted request on the plain path would draft there.
     again = oai.completions.create(model=MODEL, prompt="Hello", max_tokens=20, **GREEDY,
-                                   extra_body={"prediction": predicted})
+                                   extra_body={"prediction": predicted, "speculative": spec})
     assert again.choices[0].text == completion.choices[0].text
     assert metric_value(http, "verispec:prediction_tokens_total", **labels) >= \
         before + 2 * alone.accepted_prediction_tokens
