@@ -27,13 +27,12 @@ class ModelDrafter(Drafter):
         self.lockstep = lockstep
         self.draft_vocab, self.draft_window, self.min_confidence = draft_vocab, draft_window, min_confidence
         self.slot = -1
-        self.reused = 0  # prompt tokens the row held from the slot's previous draft sequence at begin
 
     def use_row(self, slot: int) -> None:
         self.slot = slot
 
     def begin(self, prompt: list[int]) -> None:
-        self.reused = self.lockstep.begin(self.slot, prompt, self.draft_vocab, self.draft_window)
+        self.lockstep.begin(self.slot, prompt, self.draft_vocab, self.draft_window)
 
     def propose(self, seq: list[int], k: int, params: SamplingParams, generator: torch.Generator | None) -> Proposal:
         """This row alone (a step drafts every lockstep row in one call instead)."""

@@ -9,6 +9,7 @@ ablation that removed a context term, online learning and catch-up pricing).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -22,17 +23,19 @@ SHAPE_BUDGET_S = 0.5  # seconds of timing per profiled shape at most (past its f
 
 @dataclass
 class CostCurve:
-    """Seconds of one forward against the tokens it processes, piecewise linear through measured points.
-
-    It reads the non-decreasing least-squares fit of the points, so noise cannot make more work look
-    cheaper, and past the last point it extends at the last segment's slope.
-    """
+    """Seconds of one forward against the tokens it processes, piecewise linear through the non-decreasing
+    least-squares fit of fixed measured points (noise cannot make more work look cheaper); past the last
+    point it extends at the last segment's slope."""
 
     points: dict[int, float]
 
-    def __call__(self, tokens: int) -> float:
+    @cached_property
+    def _fit(self) -> tuple[list[int], list[float]]:  # fitted once: the policy reads it many times a step
         xs = sorted(self.points)
-        ys = monotone_fit([self.points[x] for x in xs])
+        return xs, monotone_fit([self.points[x] for x in xs])
+
+    def __call__(self, tokens: int) -> float:
+        xs, ys = self._fit
         if tokens > xs[-1]:
             slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) if len(xs) > 1 else ys[0] / xs[0]
             return ys[-1] + max(0.0, slope) * (tokens - xs[-1])
@@ -41,11 +44,8 @@ class CostCurve:
 
 @dataclass
 class RowCurves:
-    """One :class:`CostCurve` per profiled number of rows, linear in the rows between two of them.
-
-    Forwards of the same scored tokens differ with their rows (each attends to its own cache), so
-    one row is priced by one-row forwards, not by an average over shapes.
-    """
+    """One :class:`CostCurve` per profiled number of rows, linear in the rows between two of them: forwards
+    of the same scored tokens differ with their rows (each attends to its own cache)."""
 
     curves: dict[int, CostCurve]
 
