@@ -13,6 +13,9 @@ import torch
 
 from verispec.errors import VerispecError
 
+# The most alternatives a request may ask log-probabilities for (OpenAI's top_logprobs limit).
+MAX_LOGPROBS = 20
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -25,6 +28,13 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    # Changes to the target's logits, before temperature (verispec.constraints.RowLogits): OpenAI's
+    # penalties (-2..2, on the output's tokens) and logit bias (token id -> -100..100, a dict or pairs).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    # Log-probabilities of each emitted token and of the ``logprobs`` most likely (0..20); None: none.
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -41,6 +51,19 @@ class SamplingParams:
             raise VerispecError(f"top_k must be an integer >= 0 (got {self.top_k!r})")
         if any(not s for s in self.stop):
             raise VerispecError("stop strings must be non-empty")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise VerispecError(f"{name} must be in [-2, 2] (got {getattr(self, name)!r})")
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        try:
+            pairs = tuple(sorted((int(t), float(b)) for t, b in bias))
+        except (TypeError, ValueError) as e:
+            raise VerispecError("logit_bias maps token ids to numbers") from e
+        if any(t < 0 or not -100.0 <= b <= 100.0 for t, b in pairs):
+            raise VerispecError("logit_bias maps token ids (>= 0) to biases in [-100, 100]")
+        object.__setattr__(self, "logit_bias", pairs)
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise VerispecError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] (got {self.logprobs!r})")
 
     @property
     def greedy(self) -> bool:
@@ -132,3 +155,32 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     i = int(torch.searchsorted(cdf, u, right=True))
     # u can round up to the total itself: then the last id with weight.
     return i if i < len(cdf) else int(probs.nonzero()[-1])
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """An emitted token's log-probability and the ``top`` most likely tokens' at its position, as
+    (token id, log-probability) pairs in descending order."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
+    """The log-probabilities of ``tokens[i]`` under row i of ``logits`` ``[>= len(tokens), V]``.
+
+    Taken from the model's own distribution (log-softmax of its logits, before temperature, penalties,
+    bias and constraints: vLLM's raw log-probabilities), so a token's value is the same whether a
+    draft proposed it or the target picked it.
+    """
+    if not tokens:
+        return []
+    lp = torch.log_softmax(logits[: len(tokens)].float(), dim=-1)
+    chosen = lp.gather(-1, torch.tensor(tokens, device=lp.device)[:, None])[:, 0].tolist()
+    if top:
+        vals, ids = lp.topk(top, dim=-1)
+        tops = [tuple(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), vals.tolist(), strict=True)]
+    else:
+        tops = [()] * len(tokens)
+    return [TokenLogprob(t, c, tp) for t, c, tp in zip(tokens, chosen, tops, strict=True)]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import json
 import os
@@ -18,7 +19,8 @@ class BenchPrompt:
 
     ``followups`` are later user turns of a multi-turn conversation (MT-bench's second turn);
     the harness answers ``text`` first and sends each follow-up with the answers so far. ``prediction``
-    is the answer a client expects (the quoted code of an edit), sent by methods that use predictions.
+    is the answer a client expects (the quoted code of an edit), sent by methods that use predictions. ``schema``
+    is the JSON schema the answer should follow (the ``json_extract`` set), for grammar-constrained decoding.
     """
 
     id: str
@@ -27,6 +29,7 @@ class BenchPrompt:
     chat: bool
     followups: tuple[str, ...] = ()
     prediction: str | None = None
+    schema: dict | None = dataclasses.field(default=None, hash=False)  # a dict: left out of the hash
 
 
 # Spec-Bench's question.jsonl, shipped inside the package (provenance and terms: data/SOURCES.md).
@@ -38,6 +41,9 @@ PACKAGED_CHAT_CODE = Path(__file__).resolve().parent / "data" / "chat_code.jsonl
 PACKAGED_CODE_EDIT = Path(__file__).resolve().parent / "data" / "code_edit.jsonl"
 # The same in Go, TypeScript, Rust, SQL and bash. Both sets carry their quoted code as the prediction.
 PACKAGED_CODE_EDIT_POLYGLOT = Path(__file__).resolve().parent / "data" / "code_edit_polyglot.jsonl"
+# Requests to extract the facts of a short text (an email, an invoice, a log) as JSON following a JSON schema
+# quoted in the prompt: chat prompts, each carrying its schema.
+PACKAGED_JSON_EXTRACT = Path(__file__).resolve().parent / "data" / "json_extract.jsonl"
 
 
 def default_spec_bench() -> Path:
@@ -167,10 +173,10 @@ def code_edit_tune(n: int | None = None) -> list[BenchPrompt]:
 
 
 def jsonl(path: Path, field: str = "prompt", chat: bool = True, n: int | None = None) -> list[BenchPrompt]:
-    """Any JSONL file with a prompt field (and optional ``id``, ``category`` and ``prediction``).
+    """Any JSONL file with a prompt field (and optional ``id``, ``category``, ``prediction`` and ``schema``).
 
     A list-valued field (e.g. Spec-Bench's ``turns``) contributes its first element. ``prediction`` is a
-    predicted output (text), as OpenAI's ``prediction`` content.
+    predicted output (text), as OpenAI's ``prediction`` content; ``schema`` a JSON schema (an object) for the answer.
     """
     rows = _read_jsonl(Path(path))
     prompts = []
@@ -183,8 +189,11 @@ def jsonl(path: Path, field: str = "prompt", chat: bool = True, n: int | None = 
         prediction = r.get("prediction")
         if prediction is not None and not isinstance(prediction, str):
             raise VerispecError(f"{path}: row {i + 1}: 'prediction' is not a string")
+        schema = r.get("schema")
+        if schema is not None and not isinstance(schema, dict):
+            raise VerispecError(f"{path}: row {i + 1}: 'schema' is not a JSON object")
         prompts.append(BenchPrompt(str(r.get("id", r.get("question_id", i))), str(r.get("category", "jsonl")), text,
-                                   chat, prediction=prediction))
+                                   chat, prediction=prediction, schema=schema))
     return prompts
 
 
@@ -192,7 +201,7 @@ def load(names: str, spec_bench_path: Path | None = None, per_category: int | No
          seed: int = 0, turns: int = 1, field: str = "prompt", chat: bool = True,
          categories: list[str] | None = None) -> list[BenchPrompt]:
     """Prompts of comma-separated datasets: ``spec_bench``, ``humaneval`` (or ``humaneval:A-B``), ``chat_code``,
-    ``code_edit``, ``code_edit_polyglot``, ``code_edit_tune``, ``jsonl:PATH``.
+    ``code_edit``, ``code_edit_polyglot``, ``code_edit_tune``, ``json_extract``, ``jsonl:PATH``.
 
     ``per_category`` samples Spec-Bench and ``categories`` keeps only those of its categories (the
     same prompts a run of every category samples); ``n`` takes the first ``n`` HumanEval or JSONL prompts.
@@ -214,11 +223,13 @@ def load(names: str, spec_bench_path: Path | None = None, per_category: int | No
             prompts += jsonl(PACKAGED_CODE_EDIT_POLYGLOT, chat=True, n=n)
         elif name == "code_edit_tune":
             prompts += code_edit_tune(n)
+        elif name == "json_extract":
+            prompts += jsonl(PACKAGED_JSON_EXTRACT, chat=True, n=n)
         elif name.startswith("jsonl:"):
             prompts += jsonl(Path(name[len("jsonl:"):]).expanduser(), field, chat, n)
         else:
             raise VerispecError(f"unknown dataset '{name}' (choose spec_bench, humaneval, humaneval:A-B, chat_code, "
-                                "code_edit, code_edit_polyglot, code_edit_tune or jsonl:PATH)")
+                                "code_edit, code_edit_polyglot, code_edit_tune, json_extract or jsonl:PATH)")
     if not prompts:
         raise VerispecError(f"no prompts in dataset '{names}'")
     return prompts

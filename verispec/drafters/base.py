@@ -12,13 +12,15 @@ import torch
 from verispec.sampling import SamplingParams, probs_from_logits, sample
 
 if TYPE_CHECKING:
+    from verispec.constraints import RowLogits
     from verispec.models.kv_cache import KVCache
     from verispec.models.llama import Transformer
 
 
 class DraftingRow(Protocol):
     """What a :class:`Lockstep` reads of a row (an engine request): its slot, full sequence, k, sampling
-    settings and generator, and the confidence below which it stops drafting."""
+    settings and generator, the confidence below which it stops drafting, and the processing of its
+    logits (penalties, a grammar) that its drafts are drawn under."""
 
     slot: int
     seq: list[int]
@@ -26,6 +28,7 @@ class DraftingRow(Protocol):
     params: SamplingParams
     generator: torch.Generator | None
     min_confidence: float
+    processor: RowLogits | None
 
 
 class Lockstep(Protocol):

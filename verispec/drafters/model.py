@@ -37,7 +37,7 @@ class ModelDrafter(Drafter):
     def propose(self, seq: list[int], k: int, params: SamplingParams, generator: torch.Generator | None) -> Proposal:
         """This row alone (a step drafts every lockstep row in one call instead)."""
         row = SimpleNamespace(slot=self.slot, seq=seq, k=k, params=params, generator=generator,
-                              min_confidence=self.min_confidence)
+                              min_confidence=self.min_confidence, processor=None)
         return self.lockstep.propose([row])[0]
 
     def commit(self, n_valid: int) -> None:

@@ -217,7 +217,8 @@ class DraftRunner:
                 picked = _fit_vocab(picked, self.vocab_size)
             for r in active:
                 lengths[r.slot] += len(feeds[r.slot])
-            self._pick(active, picked)
+            picking = _processed(active, picked)
+            self._pick([active[i] for i in picking], picked[picking])
             for r in active:
                 feeds[r.slot] = r.tokens[-1:]
             active = [r for r in active if not r.done]
@@ -250,6 +251,21 @@ class DraftRunner:
             r.tokens.append(sample(q, r.generator))
             r.probs.append(q)
             r.done = len(r.tokens) >= r.k
+
+
+def _processed(rows: list[_Draft], logits: torch.Tensor) -> list[int]:
+    """Process (in place) the draft logits of rows whose target logits are processed, as the target's
+    are at the same position; the rows that can draft on (a row its grammar allows nothing is done)."""
+    picking = []
+    for i, r in enumerate(rows):
+        proc = r.row.processor
+        if proc is not None:
+            logits[i] = proc.apply(logits[i : i + 1], r.seq, [r.tokens])[0]
+            if not bool(torch.isfinite(logits[i]).any()):
+                r.done = True
+                continue
+        picking.append(i)
+    return picking
 
 
 def _restrict(logits: torch.Tensor, n: int, extra: torch.Tensor) -> None:

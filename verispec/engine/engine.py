@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from verispec.config import PLAIN, EngineConfig, SpecConfig
+from verispec.constraints import Constraint, GrammarTokenizer, RowLogits, processes
 from verispec.drafters import CustomDrafter, DrafterPool, make_drafter, own_drafter
 from verispec.drafters.base import DraftContext, Drafter
 from verispec.drafters.vocab import special_token_ids
@@ -101,6 +102,7 @@ class Engine:
         self._by_handle: dict[RequestHandle, Request] = {}  # every request not finished yet
         self._ids = itertools.count()
         self._failed: BaseException | None = None
+        self._grammar_tokenizer: GrammarTokenizer | None = None  # built on the first constraint
         logger.info("engine: %d slot%s of %d tokens, KV budget %d tokens (%.1f MiB of caches)", size.slots,
                     "s" if size.slots > 1 else "", self.max_len, size.budget,
                     (self.cache.nbytes() + (self.draft_runner.cache.nbytes() if self.draft_runner else 0)) / 2**20)
@@ -195,7 +197,7 @@ class Engine:
 
     def submit(self, prompt: Prompt, params: SamplingParams | None = None, spec: SpecConfig | None = None,
                chat: bool = False, on_tokens: OnTokens | None = None, drafter: CustomDrafter | None = None,
-               prediction: Prediction | None = None) -> RequestHandle:
+               prediction: Prediction | None = None, constraint: Constraint | None = None) -> RequestHandle:
         """Queue one request; returns its handle at once (:meth:`step` runs it).
 
         ``on_tokens(tokens)`` is called with the tokens each step adds (a
@@ -205,22 +207,44 @@ class Engine:
         its k and k policy apply). ``prediction`` is the output the caller expects (OpenAI's predicted
         outputs: text or token ids): runs of it that the answer repeats are drafted whatever ``spec``
         says, plain decoding included (:mod:`verispec.drafters.prediction`); the output stays the
-        target's. Raises :class:`VerispecError` at once for a request that can never run: a prompt +
+        target's. ``constraint`` is a grammar the output follows (:class:`~verispec.constraints.Constraint`;
+        the request ends when it is complete); it, the params' penalties and logit bias change the
+        target's distribution, and speculation keeps the output that distribution's.
+        Raises :class:`VerispecError` at once for a request that can never run: a prompt +
         max_tokens beyond the context or KV budget, a prediction longer than the context, stop strings
-        without a tokenizer, a method this engine cannot serve.
+        or a constraint without a tokenizer, a method this engine cannot serve.
         """
         params = params or SamplingParams()
         spec = spec or PLAIN
         ids = self.encode(prompt, chat)
         predicted = self.encode_prediction(prediction)
         self._check_request(ids, params, spec, drafter)
+        processor = self._processor(params, len(ids), constraint)
         handle = RequestHandle(self, next(self._ids), ids)
         req = Request(ids, params, spec, handle, on_tokens, Metrics(requests=1, prompt_tokens=len(ids)),
-                      own_drafter=drafter and own_drafter(drafter), prediction=predicted,
+                      own_drafter=drafter and own_drafter(drafter), prediction=predicted, processor=processor,
                       kpolicy=request_policy(spec) if spec.enabled else None)
         self.scheduler.submit(req, self._reserve(ids, params))
         self._by_handle[handle] = req
         return handle
+
+    def _processor(self, params: SamplingParams, prompt_len: int, constraint: Constraint | None) -> RowLogits | None:
+        """The request's logits processing, or None where it changes nothing."""
+        vocab = self.target.args.vocab_size
+        if any(t >= vocab for t, _ in params.logit_bias):
+            raise VerispecError(f"logit_bias names a token id outside the vocabulary (0..{vocab - 1})")
+        if constraint is not None and not isinstance(constraint, Constraint):
+            raise VerispecError(f"constraint must be a Constraint, not {type(constraint).__name__}")
+        if constraint is None and not processes(params):
+            return None
+        matcher = None
+        if constraint is not None:
+            if self.tokenizer is None:
+                raise VerispecError("a constraint needs a tokenizer")
+            if self._grammar_tokenizer is None:
+                self._grammar_tokenizer = GrammarTokenizer(self.tokenizer, vocab, sorted(self.eos_ids))
+            matcher = self._grammar_tokenizer.matcher(constraint)
+        return RowLogits(params, prompt_len, vocab, matcher, self.target.device)
 
     def _reserve(self, ids: list[int], params: SamplingParams) -> int:
         # A request never holds more than its slot: one whose max_tokens runs past the context ends
@@ -253,7 +277,8 @@ class Engine:
                  spec: SpecConfig | list[SpecConfig] | None = None, chat: bool = False,
                  drafter: CustomDrafter | None = None,
                  on_tokens: Callable[[int, list[int]], bool | None] | None = None,
-                 prediction: Prediction | list[Prediction | None] | None = None) -> list[GenerationResult]:
+                 prediction: Prediction | list[Prediction | None] | None = None,
+                 constraint: Constraint | list[Constraint | None] | None = None) -> list[GenerationResult]:
         """Generate for one prompt or a list of prompts; returns one result per prompt, in order.
 
         ``params`` and ``spec`` are one for all or one per prompt; ``spec=None`` decodes plainly.
@@ -267,18 +292,19 @@ class Engine:
         gained (streaming); returning False cancels that request (finish reason "cancelled").
         ``tokens`` is a :class:`~verispec.engine.stopping.StepTokens`: a list whose ``drafted``
         attribute counts its leading tokens that were accepted drafts. ``prediction`` is one predicted
-        output for every prompt (text or token ids) or a list of one per prompt (None for none).
+        output for every prompt (text or token ids) or a list of one per prompt (None for none);
+        ``constraint`` likewise (see :meth:`submit`).
         """
-        jobs = [(self.encode(prompt, chat), p, s, self.encode_prediction(pr), on_tokens and partial(on_tokens, i))
-                for i, (prompt, p, s, pr) in enumerate(per_prompt(prompts, params, spec, prediction))]
-        for ids, p, s, _, _ in jobs:
+        jobs = [(self.encode(prompt, chat), p, s, self.encode_prediction(pr), on_tokens and partial(on_tokens, i), c)
+                for i, (prompt, p, s, pr, c) in enumerate(per_prompt(prompts, params, spec, prediction, constraint))]
+        for ids, p, s, _, _, _ in jobs:
             self._check_request(ids, p, s, drafter)
         if isinstance(drafter, Drafter):
-            return [self.submit(ids, p, s, on_tokens=cb, drafter=drafter, prediction=pr).result()
-                    for ids, p, s, pr, cb in jobs]
+            return [self.submit(ids, p, s, on_tokens=cb, drafter=drafter, prediction=pr, constraint=c).result()
+                    for ids, p, s, pr, cb, c in jobs]
         own = [None if drafter is None else own_drafter(drafter) for _ in jobs]  # built before any is queued
-        handles = [self.submit(ids, p, s, on_tokens=cb, drafter=d, prediction=pr)
-                   for (ids, p, s, pr, cb), d in zip(jobs, own, strict=True)]
+        handles = [self.submit(ids, p, s, on_tokens=cb, drafter=d, prediction=pr, constraint=c)
+                   for (ids, p, s, pr, cb, c), d in zip(jobs, own, strict=True)]
         return [h.result() for h in handles]
 
     # -- running --------------------------------------------------------------------------
@@ -352,8 +378,11 @@ class Engine:
     def _decode(self, ready: list[Request]) -> None:
         stepping = []
         for req in ready:
+            grammar_end = req.processor.finish_reason(req.seq) if req.processor is not None else None
             if len(req.seq) >= self.max_len:  # no position left for a step
                 self._finish(req, "length")
+            elif grammar_end is not None:  # a complete grammar allows only the end, which plain decoding emits next
+                self._finish(req, grammar_end)
             else:
                 stepping.append(req)
         if not stepping:
@@ -387,6 +416,9 @@ class Engine:
         n_before = len(req.seq)
         finish = append_tokens(report.new_tokens[i], req.seq, len(req.prompt), req.params, self.eos_ids, self.decode)
         chunk = StepTokens.of(report.new_tokens[i], req.seq, n_before)
+        if i in report.logprobs:
+            chunk.logprobs = report.logprobs[i][: len(chunk)]
+            req.logprobs += chunk.logprobs
         if chunk:
             req.handle._push(chunk)
         if req.on_tokens is not None and req.on_tokens(chunk) is False and finish is None:
@@ -434,7 +466,8 @@ class Engine:
             req.handle._finish(None, error)
             return
         out = req.out
-        req.handle._finish(GenerationResult(req.prompt, out, final_text(self.decode(out), req.params.stop), reason, m))
+        req.handle._finish(GenerationResult(req.prompt, out, final_text(self.decode(out), req.params.stop), reason, m,
+                                            req.logprobs if req.params.logprobs is not None else None))
 
     def _fail(self, error: BaseException) -> None:
         # A BaseException mid-step leaves the caches in an unknown state: fail every request, start clean.

@@ -9,6 +9,7 @@ import torch
 
 from verispec import hub
 from verispec.config import K_MAX, PLAIN, EngineConfig, SpecConfig, resolve_dtype
+from verispec.constraints import Constraint
 from verispec.engine.draft_runner import MAX_LOCKSTEP_FEED
 from verispec.errors import VerispecError
 from verispec.log import logger
@@ -27,9 +28,10 @@ SLACK = K_MAX + 1 + MAX_LOCKSTEP_FEED + 4
 
 def per_prompt(prompts: Prompt | list[Prompt], params: SamplingParams | list[SamplingParams] | None,
                spec: SpecConfig | list[SpecConfig] | None, prediction: Prediction | list[Prediction | None] | None,
-               ) -> list[tuple[Prompt, SamplingParams, SpecConfig, Prediction | None]]:
-    """One prompt or a list of them, each with its params, spec and prediction (each given once for all, or one
-    per prompt; ``None``: defaults, plain decoding, no prediction)."""
+               constraint: Constraint | list[Constraint | None] | None = None,
+               ) -> list[tuple[Prompt, SamplingParams, SpecConfig, Prediction | None, Constraint | None]]:
+    """One prompt or a list of them, each with its params, spec, prediction and constraint (each given once for
+    all, or one per prompt; ``None``: defaults, plain decoding, no prediction, no constraint)."""
     if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int | dict)):
         prompts = [prompts]
     n = len(prompts)
@@ -37,9 +39,10 @@ def per_prompt(prompts: Prompt | list[Prompt], params: SamplingParams | list[Sam
     spec_l = spec if isinstance(spec, list) else [spec or PLAIN] * n
     one_prediction = prediction is None or isinstance(prediction, str) or all(isinstance(t, int) for t in prediction)
     pred_l = [prediction] * n if one_prediction else list(prediction)
-    if len(params_l) != n or len(spec_l) != n or len(pred_l) != n:
-        raise VerispecError("give one params, spec and prediction for all prompts, or one per prompt")
-    return list(zip(prompts, params_l, spec_l, pred_l, strict=True))
+    cons_l = constraint if isinstance(constraint, list) else [constraint] * n
+    if len(params_l) != n or len(spec_l) != n or len(pred_l) != n or len(cons_l) != n:
+        raise VerispecError("give one params, spec, prediction and constraint for all prompts, or one per prompt")
+    return list(zip(prompts, params_l, spec_l, pred_l, cons_l, strict=True))
 
 
 @dataclass

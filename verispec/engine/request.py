@@ -11,11 +11,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from verispec.config import PLAIN, SpecConfig
+from verispec.constraints import RowLogits
 from verispec.drafters.base import Drafter
 from verispec.drafters.prediction import PredictionDrafter
 from verispec.engine.metrics import Metrics
 from verispec.engine.policy import Acceptance, ProbeSchedule
-from verispec.sampling import SamplingParams
+from verispec.sampling import SamplingParams, TokenLogprob
 
 if TYPE_CHECKING:
     from verispec.engine.engine import Engine
@@ -30,8 +31,10 @@ class GenerationResult:
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str | None
-    finish_reason: str  # "stop" (EOS or a stop string), "length", "cancelled" or "error"
+    # "stop" (EOS, a stop string, a complete grammar), "length", "cancelled", "error" or "constraint_dead_end"
+    finish_reason: str
     metrics: Metrics = field(repr=False)
+    logprobs: list[TokenLogprob] | None = field(default=None, repr=False)  # one per token, when asked for
 
 
 class RequestHandle:
@@ -148,7 +151,9 @@ class Request:
     it from ``acceptance`` and ``probes``; ``lookup_acceptance`` is what its trusted lookups (hybrid)
     reach and ``prediction_acceptance`` what its prediction's runs reach, learned whatever policy sizes
     them. ``own_drafter`` is the caller's own drafter, if any; ``prediction`` the predicted output's
-    tokens and ``predictor`` the drafter that drafts them.
+    tokens and ``predictor`` the drafter that drafts them. ``processor`` changes its target (and draft)
+    logits: penalties, logit bias, a grammar (:mod:`verispec.constraints`); ``logprobs`` collects its
+    tokens' log-probabilities when its params ask for them.
     """
 
     prompt: list[int]
@@ -159,6 +164,8 @@ class Request:
     metrics: Metrics = field(default_factory=Metrics)
     own_drafter: Drafter | None = None
     prediction: list[int] | None = None
+    processor: RowLogits | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
     # The row, while the request holds a slot.
     slot: int | None = None
     generator: torch.Generator | None = None

@@ -37,7 +37,7 @@ from verispec.engine.metrics import sync
 from verispec.engine.request import Request
 from verispec.models.kv_cache import KVCache
 from verispec.models.llama import Transformer, span_forward
-from verispec.sampling import probs_from_logits
+from verispec.sampling import TokenLogprob, probs_from_logits, token_logprobs
 from verispec.verify import verify_greedy, verify_sampling, verify_tree_sampling
 
 
@@ -60,6 +60,7 @@ class StepReport:
     catch_up_s: float = 0.0
     context: int = 0  # the longest row's tokens before the step: what the forward's keys were padded to
     failed: dict[int, BaseException] = field(default_factory=dict)  # row index -> what its own drafter raised
+    logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)  # per row asking: its new tokens'
     retried: bool = False  # the rows ran one by one after the batched step raised (Engine._run_step)
 
     @property
@@ -131,7 +132,35 @@ def _propose(rows: list[Request]) -> tuple[list[Proposal], dict[int, BaseExcepti
             proposals[i] = r.drafter.propose(r.seq, r.k, r.params, r.generator)
         except Exception as e:  # noqa: BLE001 (this row's drafter: the row fails, the step goes on)
             failed[i] = e
-    return [p.cut(r.k) for p, r in zip(proposals, rows, strict=True)], failed
+    return [_grammatical(p.cut(r.k), r) for p, r in zip(proposals, rows, strict=True)], failed
+
+
+def _grammatical(p: Proposal, r: Request) -> Proposal:
+    """``p`` without what ``r``'s grammar refuses: a chain cut before its first refused token (a sampled
+    chain keeps that token: see :mod:`verispec.constraints`), a tree without refused nodes and their subtrees."""
+    if r.processor is None or not r.processor.grammar or not p.tokens:
+        return p
+    if p.parents is None:
+        n = r.processor.allowed(r.seq, p.tokens)
+        return p.cut(n + 1 if p.probs is not None else n)
+    keep: list[int] = []
+    index: dict[int, int] = {-1: -1}  # old node -> new node
+    for i, parent in enumerate(p.parents):
+        if parent in index and r.processor.allowed(r.seq, _path(p, i)) == len(_path(p, i)):
+            index[i] = len(keep)
+            keep.append(i)
+    return Proposal([p.tokens[i] for i in keep], None, [index[p.parents[i]] for i in keep])
+
+
+def _path(p: Proposal, node: int) -> list[int]:
+    """The draft tokens on the root path to ``node`` (``node`` included; none for -1)."""
+    if p.parents is None:
+        return p.tokens[: node + 1]
+    path = []
+    while node >= 0:
+        path.append(p.tokens[node])
+        node = p.parents[node]
+    return path[::-1]
 
 
 def _score(target: Transformer, cache: KVCache, rows: list[Request], proposals: list[Proposal], live: list[int],
@@ -158,7 +187,10 @@ def _verify(cache: KVCache, rows: list[Request], proposals: list[Proposal], live
     verdicts = []
     for i in live:
         r, d, p = rows[i], proposals[i].tokens, proposals[i]
-        row_logits = logits[r.slot - lo, : len(d) + 1]
+        raw = logits[r.slot - lo, : len(d) + 1]
+        # Row 0 follows the sequence, row j + 1 draft token j's root path.
+        row_logits = raw if r.processor is None else r.processor.apply(
+            raw, r.seq, [[]] + [_path(p, j) for j in range(len(d))])
         if r.params.greedy:
             verdicts.append(verify_greedy(d, row_logits, p.parents))
         elif p.parents is not None:
@@ -167,6 +199,10 @@ def _verify(cache: KVCache, rows: list[Request], proposals: list[Proposal], live
             q = None if p.probs is None else p.probs[: len(d)].to(row_logits.device)
             n, extra = verify_sampling(d, q, probs_from_logits(row_logits, r.params), r.generator)
             verdicts.append((list(range(n)), extra))
+        if r.params.logprobs is not None:
+            path, extra = verdicts[-1]
+            report.logprobs[i] = token_logprobs(raw[[0] + [node + 1 for node in path]],
+                                                [d[node] for node in path] + [extra], r.params.logprobs)
     for i, (path, extra) in zip(live, verdicts, strict=True):
         r, d, n = rows[i], proposals[i].tokens, len(path)
         chain_n = next((j for j, node in enumerate(path) if node != j), n)  # the drafter's own chain, kept

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterable, Sequence
 
-from verispec.sampling import SamplingParams
+from verispec.sampling import SamplingParams, TokenLogprob
 
 Decode = Callable[[list[int]], str | None]
 
@@ -21,6 +21,7 @@ class StepTokens(list[int]):
     drafter's proposals the target accepted; the rest (none or one) is the target's own token, the
     bonus after a fully accepted draft or the correction of the first rejected one. A stop
     condition may cut the step anywhere, so a cut chunk can consist of accepted drafts only.
+    ``logprobs`` are their log-probabilities when the request asks for them.
     """
 
     def __init__(self, tokens: Iterable[int] = (), drafted: int = 0) -> None:
@@ -28,6 +29,7 @@ class StepTokens(list[int]):
         if not 0 <= drafted <= len(self):
             raise ValueError(f"drafted must be in [0, {len(self)}], got {drafted}")
         self.drafted = drafted
+        self.logprobs: list[TokenLogprob] | None = None  # one per token, when the request asks for them
 
     @classmethod
     def of(cls, new: Sequence[int], out: list[int], n_before: int) -> StepTokens:
