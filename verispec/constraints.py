@@ -116,7 +116,10 @@ class GrammarTokenizer:
         import llguidance.hf
 
         self.vocab_size = vocab_size
-        self.ll = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=sorted(eos_ids))
+        try:
+            self.ll = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=sorted(eos_ids))
+        except (ValueError, TypeError, AttributeError) as e:
+            raise ConstraintError(f"this model's tokenizer cannot be used for constraints: {e}") from e
         self._llg = llg
 
     def matcher(self, constraint: Constraint) -> Any:
@@ -151,6 +154,7 @@ class RowLogits:
             self.bias[ids] = torch.tensor([b for _, b in params.logit_bias], device=device)
         self.counts = torch.zeros(vocab_size, device=device) if self.penalties else None
         self._seen = 0  # output tokens folded into the counts and the matcher
+        self._now: tuple[int, torch.Tensor] | None = None  # (self._seen, the bitmask there)
 
     @property
     def grammar(self) -> bool:
@@ -181,9 +185,12 @@ class RowLogits:
         if self.matcher is None:
             return None
         self._sync(seq)
+        self._now = (self._seen, self._masks([[]])[0])  # a dead end shows once the mask is computed; the step reuses it
         if self.matcher.is_error():
             return DEAD_END
-        return "stop" if self.matcher.is_stopped() else None
+        if self.matcher.is_stopped():  # nothing but the end can follow: complete, or stuck short of it
+            return "stop" if self.matcher.is_accepting() else DEAD_END
+        return None
 
     def apply(self, logits: torch.Tensor, seq: list[int], paths: list[list[int]]) -> torch.Tensor:
         """Processed ``logits`` ``[n, V]`` (a new tensor): row i as if ``seq`` were followed by ``paths[i]``.
@@ -214,16 +221,23 @@ class RowLogits:
 
     def _allowed(self, paths: list[list[int]]) -> torch.Tensor:
         """``[n, V]`` bool: the tokens the grammar allows after each path (all, for a refused path)."""
+        bits = self._masks(paths)
+        unpacked = np.unpackbits(bits.numpy().view(np.uint8), axis=-1, bitorder="little")
+        return torch.from_numpy(unpacked[:, : self.vocab_size]).bool()
+
+    def _masks(self, paths: list[list[int]]) -> torch.Tensor:
+        """The grammar's bitmask ``[n, ceil(V / 32)]`` after each path (all ones for a refused path)."""
         from llguidance.torch import fill_next_token_bitmask
 
         m = self.matcher
-        words = (self.vocab_size + 31) // 32
-        bits = torch.full((len(paths), words), -1, dtype=torch.int32)
+        bits = torch.full((len(paths), (self.vocab_size + 31) // 32), -1, dtype=torch.int32)
         for i, path in enumerate(paths):
+            if not path and self._now is not None and self._now[0] == self._seen:
+                bits[i] = self._now[1]
+                continue
             taken = m.try_consume_tokens(path) if path else 0
             if taken == len(path):
                 fill_next_token_bitmask(m, bits, i)
             if taken:
                 m.rollback(taken)
-        unpacked = np.unpackbits(bits.numpy().view(np.uint8), axis=-1, bitorder="little")
-        return torch.from_numpy(unpacked[:, : self.vocab_size]).bool()
+        return bits

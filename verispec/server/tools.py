@@ -32,7 +32,6 @@ from llguidance import LLMatcher
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 CHOICES = ("none", "auto", "required")
 NAME_RE = re.compile(r"[a-zA-Z0-9_-]{1,64}")
-DEFAULT_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 # Arguments are constrained to the exact JSON layout the template's ``tojson`` (json.dumps) renders.
 JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 # The text of one call, as the template renders it: OPEN CALL_HEAD name NAME_TAIL arguments CALL_TAIL CLOSE.
@@ -40,6 +39,11 @@ CALL_HEAD, NAME_TAIL, CALL_TAIL = '\n{"name": "', '", "arguments": ', "}\n"
 _BLOCK_RE = re.compile(re.escape(OPEN) + r"(.*?)" + re.escape(CLOSE), re.DOTALL)
 
 Event = tuple[str, str] | tuple[str, int, dict[str, Any]]  # ("content", text) | ("tool_call", index, delta)
+
+
+def default_parameters() -> dict[str, Any]:
+    """The schema of a function declared without ``parameters``: an object, of any properties."""
+    return {"type": "object", "properties": {}}
 
 
 class ToolError(ValueError):
@@ -56,7 +60,7 @@ class Tool:
 
     name: str
     description: str | None = None
-    parameters: dict[str, Any] = field(default_factory=lambda: dict(DEFAULT_PARAMETERS))
+    parameters: dict[str, Any] = field(default_factory=default_parameters)
 
     def template_dict(self) -> dict[str, Any]:
         """The tool as OpenAI shapes it (what the chat template renders with ``tojson``)."""
@@ -117,7 +121,7 @@ def _check_schema(parameters: Any, param: str) -> dict[str, Any]:
     if not isinstance(parameters, dict):
         raise ToolError("parameters must be a JSON schema object", param)
     kind = parameters.get("type", "object")
-    if kind != "object" and not (isinstance(kind, list) and "object" in kind):
+    if kind != "object":
         raise ToolError(f"parameters must be a JSON schema of type \"object\", not {kind!r}", param)
     try:
         grammar = LLMatcher.grammar_from_json_schema(parameters, overrides=JSON_OPTIONS)  # type: ignore[arg-type]
@@ -150,7 +154,7 @@ def _parse_tool(i: int, tool: Any) -> Tool:
     if strict is not None and not isinstance(strict, bool):
         raise ToolError("strict must be a boolean", f"{at}.function.strict")
     parameters = fn.get("parameters")
-    parameters = dict(DEFAULT_PARAMETERS) if parameters is None else \
+    parameters = default_parameters() if parameters is None else \
         _check_schema(parameters, f"{at}.function.parameters")
     return Tool(name, description, parameters)
 
@@ -173,13 +177,17 @@ def parse_tools(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str,
             raise ToolError(f"function name {t.name!r} is given twice", f"tools[{i}].function.name")
         parsed.append(t)
     choice = _parse_choice(tool_choice)
+    named = isinstance(tool_choice, Mapping)
     if not parsed:
-        if choice not in (None, "none"):
+        if choice not in (None, "none") or named:
             raise ToolError("tool_choice needs tools", "tool_choice")
         return None
     choice = choice or "auto"
-    if choice not in CHOICES and choice not in {t.name for t in parsed}:
+    if named and choice not in {t.name for t in parsed}:
         raise ToolError(f"tool_choice names function {choice!r}, which is not among the tools", "tool_choice")
+    if named and choice in CHOICES:
+        raise ToolError(f"a function named {choice!r} cannot be forced: use tool_choice \"required\"",
+                        "tool_choice")
     return ToolSpec(tuple(parsed), choice)
 
 
