@@ -154,6 +154,51 @@ def test_seeded_sampling_is_reproducible(oai: OpenAI) -> None:
     assert a.choices[0].text == b.choices[0].text
 
 
+def test_n_choices_have_their_own_seed_streams(oai: OpenAI) -> None:
+    # Plain decoding: a seeded sample does not depend on what runs beside it (the cost policy's k does).
+    kwargs = dict(model=MODEL, prompt="Once", max_tokens=12, temperature=1.0,
+                  extra_body={"speculative": {"enabled": False}})
+    r = oai.completions.create(**kwargs, n=2, seed=7)
+    assert [c.index for c in r.choices] == [0, 1]
+    alone = [oai.completions.create(**kwargs, seed=seed).choices[0].text for seed in (7, 8)]
+    assert [c.text for c in r.choices] == alone and alone[0] != alone[1]
+    assert r.usage.completion_tokens > 12  # both choices counted
+    chunks = list(oai.completions.create(**kwargs, n=2, seed=7, stream=True))
+    streamed = ["".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == i) for i in (0, 1)]
+    assert streamed == alone
+    assert {c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason} == {0, 1}
+
+
+def test_logprobs_are_the_same_with_and_without_drafts(oai: OpenAI) -> None:
+    kwargs = dict(model=MODEL, prompt="Hello there", max_tokens=16, logprobs=2, **GREEDY)
+    runs = [oai.completions.create(**kwargs, extra_body={"speculative": {"enabled": on}}) for on in (True, False)]
+    for r in runs:
+        lp = r.choices[0].logprobs
+        assert len(lp.tokens) == r.usage.completion_tokens  # (the tiny model's bytes need not be whole characters)
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset)
+        assert all(1 <= len(top) <= 2 for top in lp.top_logprobs)  # (tokens decoding alike share a key)
+        assert all(v <= 0 for v in lp.token_logprobs)
+    assert spec_usage(runs[0])["accepted"] > 0
+    assert runs[0].choices[0].logprobs.tokens == runs[1].choices[0].logprobs.tokens
+    assert runs[0].choices[0].logprobs.token_logprobs == pytest.approx(runs[1].choices[0].logprobs.token_logprobs,
+                                                                      abs=1e-4)
+    chat = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=8,
+                                       logprobs=True, top_logprobs=3, **GREEDY)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    assert all(len(c.top_logprobs) == 3 and c.top_logprobs[0].token == c.token for c in content)
+
+
+def test_penalties_keep_greedy_speculation_exact(oai: OpenAI) -> None:
+    kwargs = dict(model=MODEL, prompt="Hello there", max_tokens=24, presence_penalty=1.5, frequency_penalty=1.0,
+                  logit_bias={"5": 3.0}, **GREEDY)
+    spec, plain = (oai.completions.create(**kwargs, extra_body={"speculative": {"enabled": on}})
+                   for on in (True, False))
+    assert spec.choices[0].text == plain.choices[0].text
+    base = oai.completions.create(model=MODEL, prompt="Hello there", max_tokens=24, **GREEDY)
+    assert base.choices[0].text != plain.choices[0].text
+
+
 # -- streaming -----------------------------------------------------------------------------------
 
 
@@ -245,9 +290,16 @@ def _assert_error(r: httpx.Response, status: int, param: str | None = None) -> d
     ({"model": MODEL, "prompt": ["a", "b"]}, 400, None),
     ({"model": MODEL, "prompt": "a", "temperature": -1}, 400, "temperature"),
     ({"model": MODEL, "prompt": "a", "top_p": 0}, 400, "top_p"),
-    ({"model": MODEL, "prompt": "a", "n": 2}, 400, None),
+    ({"model": MODEL, "prompt": "a", "n": 1000}, 400, "n"),
+    ({"model": MODEL, "prompt": "a", "n": 0}, 400, "n"),
     ({"model": MODEL, "prompt": "a", "stop": [""]}, 400, None),  # refused by SamplingParams
-    ({"model": MODEL, "prompt": "a", "logprobs": 2}, 400, None),
+    ({"model": MODEL, "prompt": "a", "logprobs": 6}, 400, "logprobs"),
+    ({"model": MODEL, "prompt": "a", "logprobs": 1, "echo": True}, 400, None),
+    ({"model": MODEL, "prompt": "a", "presence_penalty": 3}, 400, "presence_penalty"),
+    ({"model": MODEL, "prompt": "a", "logit_bias": {"x": 1}}, 400, "logit_bias"),
+    ({"model": MODEL, "prompt": "a", "logit_bias": {"5": 200}}, 400, "logit_bias"),
+    ({"model": MODEL, "prompt": "a", "structured_outputs": {"regex": "a(", "json": {}}}, 400, "structured_outputs"),
+    ({"model": MODEL, "prompt": "a", "structured_outputs": {"regex": "a("}}, 400, "structured_outputs"),
     ({"model": MODEL, "prompt": "a", "speculative": {"enabled": True, "method": "nope"}}, 400, "speculative.method"),
     ({"model": MODEL, "prompt": "a", "speculative": {"k": 0}}, 400, "speculative.k"),
     ({"model": MODEL, "prompt": "a", "speculative": {"enable": True}}, 400, None),

@@ -27,7 +27,7 @@ import torch
 from verispec.errors import VerispecError
 from verispec.sampling import SamplingParams
 
-ConstraintKind = Literal["json_schema", "json_object", "regex", "lark"]
+ConstraintKind = Literal["json_schema", "json_object", "regex", "lark", "llguidance"]
 # Finish reason of a request whose grammar allows no token and cannot end (it can only arise from a
 # grammar that allows nothing at some point, e.g. an unsatisfiable schema).
 DEAD_END = "constraint_dead_end"
@@ -51,15 +51,17 @@ class Constraint:
 
     ``kind``: ``json_schema`` (``source`` is the schema as JSON text), ``json_object`` (any JSON
     object), ``regex`` (the whole output matches it) or ``lark`` (llguidance's Lark dialect, which
-    also embeds JSON schemas with ``%json``). The output ends when the grammar is complete.
+    also embeds JSON schemas with ``%json``), or ``llguidance`` (a grammar already in llguidance's own
+    format, as its ``grammar_from_*`` functions return). The output ends when the grammar is complete.
     """
 
     kind: ConstraintKind
     source: str = ""
 
     def __post_init__(self) -> None:
-        if self.kind not in ("json_schema", "json_object", "regex", "lark"):
-            raise ConstraintError(f"unknown constraint kind {self.kind!r} (json_schema, json_object, regex or lark)")
+        if self.kind not in ("json_schema", "json_object", "regex", "lark", "llguidance"):
+            raise ConstraintError(f"unknown constraint kind {self.kind!r} (json_schema, json_object, regex, lark "
+                                  "or llguidance)")
         if not isinstance(self.source, str):
             raise ConstraintError(f"a {self.kind} constraint is given as text, not {type(self.source).__name__}")
         error = _llguidance().LLMatcher.validate_grammar(self.grammar())
@@ -101,6 +103,8 @@ class Constraint:
                 raise ConstraintError(f"invalid JSON schema: {e}") from e
         if self.kind == "json_object":
             return m.grammar_from_json_schema({"type": "object"})
+        if self.kind == "llguidance":
+            return self.source
         return m.grammar_from_regex(self.source) if self.kind == "regex" else m.grammar_from_lark(self.source)
 
 

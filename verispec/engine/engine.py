@@ -147,9 +147,10 @@ class Engine:
                 "draft_vocab": spec.draft_vocab, "draft_window": spec.draft_window,
                 "kernels": matmul_kernels(self.target, self.draft)}
 
-    def encode(self, prompt: Prompt, chat: bool = False) -> list[int]:
-        """Token ids of a prompt: a string, a list of ids, or chat messages (``chat=True`` for a string)."""
-        return self.codec.encode(prompt, chat)
+    def encode(self, prompt: Prompt, chat: bool = False, tools: list[dict] | None = None) -> list[int]:
+        """Token ids of a prompt: a string, a list of ids, or chat messages (``chat=True`` for a string);
+        ``tools`` (OpenAI's function definitions) are rendered by the chat template."""
+        return self.codec.encode(prompt, chat, tools)
 
     def decode(self, ids: list[int]) -> str | None:
         return self.codec.decode(ids)

@@ -159,7 +159,7 @@ class Codec:
     vocab_size: int
     max_len: int
 
-    def encode(self, prompt: Prompt, chat: bool = False) -> list[int]:
+    def encode(self, prompt: Prompt, chat: bool = False, tools: list[dict] | None = None) -> list[int]:
         """Token ids of a prompt: a string, a list of ids, or chat messages (``chat=True`` for a string)."""
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             ids = self._checked_ids(prompt, "token ids")
@@ -169,7 +169,8 @@ class Codec:
             messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
             if not self.tokenizer.chat_template:
                 raise VerispecError("this model's tokenizer has no chat template")
-            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                     **({"tools": tools} if tools else {}))
             if isinstance(ids, dict) or hasattr(ids, "input_ids"):
                 ids = ids["input_ids"]
             ids = list(ids)

@@ -1,15 +1,16 @@
-"""Request and response bodies in OpenAI's format, plus verispec's ``speculative`` extension.
+"""Request and response bodies in OpenAI's format, plus verispec's ``speculative`` extension and vLLM's
+``structured_outputs`` extension (``json``, ``regex``, ``choice``, ``grammar``: llguidance's Lark dialect).
 
 Unknown top-level fields are ignored, as OpenAI-compatible servers do, so clients that send
-extra options keep working; options verispec cannot honour (logprobs, penalties, n > 1) are
-refused rather than silently ignored. Integers and booleans are strict, as OpenAI's are: ``true``
+extra options keep working; options verispec cannot honour (echo with logprobs) are refused
+rather than silently ignored. Integers and booleans are strict, as OpenAI's are: ``true``
 or ``2.0`` is no integer and ``"yes"`` or ``1`` no boolean (400). Numbers such as ``temperature``
 take integers as well as floats, but never booleans or strings.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, model_validator
 
@@ -51,6 +52,46 @@ class Prediction(BaseModel):
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
+class JsonSchemaFormat(BaseModel):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``: plain text, any JSON object (JSON mode) or JSON under a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format of type json_schema needs a json_schema object")
+        return self
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's extension: the output follows one of these (exactly one)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json", description="a JSON schema")
+    regex: str | None = None
+    choice: list[str] | None = Field(None, min_length=1)
+    grammar: str | None = Field(None, description="a Lark grammar (llguidance's dialect)")
+    json_object: StrictBool | None = None
+
+    @model_validator(mode="after")
+    def _one(self) -> StructuredOutputs:
+        given = [k for k in ("json_", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ValueError("structured_outputs takes exactly one of json, regex, choice, grammar, json_object")
+        return self
+
+
 class StreamOptions(BaseModel):
     include_usage: StrictBool = Field(False, description="send a last chunk with usage before [DONE]")
 
@@ -65,7 +106,7 @@ class _GenerationRequest(BaseModel):
     temperature: StrictFloat | None = Field(None, ge=0.0, le=2.0, description="0 is greedy; default 1")
     top_p: StrictFloat | None = Field(None, gt=0.0, le=1.0)
     top_k: StrictInt | None = Field(None, ge=0, description="extension: keep the k likeliest tokens (0: off)")
-    n: StrictInt = Field(1, description="choices per request; only 1 is supported")
+    n: StrictInt = Field(1, ge=1, description="choices per request (each its own row and seed stream)")
     stop: str | list[str] | None = Field(None, description="stop strings (not included in the output)")
     seed: StrictInt | None = Field(None, ge=0, le=MAX_SEED)
     stream: StrictBool = False
@@ -74,17 +115,12 @@ class _GenerationRequest(BaseModel):
     ignore_eos: StrictBool = Field(False, description="extension: keep generating past the end-of-sequence token")
     speculative: SpeculativeOptions | None = None
     prediction: Prediction | None = Field(None, description="predicted output: drafted where the answer repeats it")
-    presence_penalty: StrictFloat | None = None
-    frequency_penalty: StrictFloat | None = None
-
-    @model_validator(mode="after")
-    def _supported(self) -> _GenerationRequest:
-        if self.n != 1:
-            raise ValueError("only n=1 is supported")
-        if self.presence_penalty or self.frequency_penalty:
-            raise ValueError("presence and frequency penalties are not supported (they would change the "
-                             "distribution that speculation preserves)")
-        return self
+    presence_penalty: StrictFloat | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: StrictFloat | None = Field(None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, StrictFloat] | None = Field(None, description="token id (as a string) -> bias in "
+                                                      "[-100, 100], added to the logits")
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     @property
     def stop_list(self) -> tuple[str, ...]:
@@ -97,15 +133,14 @@ class CompletionRequest(_GenerationRequest):
     """POST /v1/completions. One prompt: a string, token ids, or a one-element list of either."""
 
     prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
-    logprobs: StrictInt | None = Field(None, description="not supported")
-    echo: StrictBool = Field(False, description="not supported")
+    logprobs: StrictInt | None = Field(None, ge=0, le=5, description="log-probabilities of each token and of the "
+                                       "this many likeliest")
+    echo: StrictBool = Field(False, description="the prompt's text before the completion (without logprobs)")
 
     @model_validator(mode="after")
     def _single(self) -> CompletionRequest:
-        if self.logprobs is not None:
-            raise ValueError("logprobs are not supported")
-        if self.echo:
-            raise ValueError("echo is not supported")
+        if self.echo and self.logprobs is not None:
+            raise ValueError("echo with logprobs is not supported (the prompt's log-probabilities are not computed)")
         p = self.prompt
         if isinstance(p, list) and p and isinstance(p[0], str | list) and len(p) != 1:
             raise ValueError("one prompt per request is supported")
@@ -122,6 +157,9 @@ class CompletionRequest(_GenerationRequest):
 class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -136,12 +174,16 @@ class ChatCompletionRequest(_GenerationRequest):
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = Field(None, ge=1, description="OpenAI's newer name for max_tokens")
-    logprobs: StrictBool | None = Field(None, description="not supported")
+    logprobs: StrictBool | None = Field(None, description="log-probabilities of each generated token")
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=20, description="and of this many likeliest (logprobs)")
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: StrictBool | None = None
 
     @model_validator(mode="after")
-    def _no_logprobs(self) -> ChatCompletionRequest:
-        if self.logprobs:
-            raise ValueError("logprobs are not supported")
+    def _top_needs_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
         return self
 
 
@@ -190,13 +232,13 @@ class Usage(BaseModel):
     speculative: SpeculativeUsage | None = None
 
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "tool_calls", "constraint_dead_end"]
 
 
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
     finish_reason: FinishReason | None
 
 
@@ -211,13 +253,14 @@ class CompletionResponse(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
     finish_reason: FinishReason | None
 
 

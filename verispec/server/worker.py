@@ -23,11 +23,12 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 from verispec.config import METHODS, SpecConfig
+from verispec.constraints import Constraint
 from verispec.engine.engine import GenerationResult, RequestHandle
 from verispec.engine.metrics import Metrics
 from verispec.errors import VerispecError
 from verispec.log import logger
-from verispec.sampling import SamplingParams
+from verispec.sampling import SamplingParams, TokenLogprob
 
 if TYPE_CHECKING:
     from verispec.engine.engine import Engine
@@ -44,6 +45,7 @@ class GenRequest:
     params: SamplingParams
     spec: SpecConfig  # verispec.config.PLAIN on the plain path
     prediction: list[int] | None = None  # a predicted output's token ids
+    constraint: Constraint | None = None  # a grammar the output follows
     arrival: float = field(default_factory=time.perf_counter)
 
     @property
@@ -57,9 +59,10 @@ class GenRequest:
 
 @dataclass(frozen=True)
 class TokensEvent:
-    """Tokens a step added (a speculative step may add several)."""
+    """Tokens a step added (a speculative step may add several), and their log-probabilities when asked for."""
 
     token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass(frozen=True)
@@ -288,6 +291,7 @@ class EngineWorker:
             return
         try:
             job.handle = self.engine.submit(req.prompt_ids, req.params, req.spec, prediction=req.prediction,
+                                            constraint=req.constraint,
                                             on_tokens=lambda tokens: self._on_tokens(job, tokens))
         except Exception as e:  # noqa: BLE001 (reported to the client, the worker carries on)
             if not isinstance(e, VerispecError):
@@ -305,7 +309,7 @@ class EngineWorker:
             self._observer.tokens(req, len(tokens), (now - job.last) / (1 if first else len(tokens)), first)
             job.last = now
             job.generated += len(tokens)
-            job.stream.push(TokensEvent(list(tokens)))
+            job.stream.push(TokensEvent(list(tokens), getattr(tokens, "logprobs", None)))
         return not job.cancelled
 
     def _started(self, job: _Job) -> None:
