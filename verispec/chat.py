@@ -22,6 +22,7 @@ from typing import TextIO
 
 from verispec.config import SpecConfig
 from verispec.console import ACCEPTED, RESET, AnswerPrinter, dim, use_colour
+from verispec.constraints import Constraint
 from verispec.engine.engine import Engine, GenerationResult
 from verispec.engine.metrics import Metrics
 from verispec.errors import VerispecError
@@ -63,7 +64,8 @@ class Chat:
     """
 
     def __init__(self, engine: Engine, params: SamplingParams, spec: SpecConfig, system: str | None = None,
-                 out: TextIO | None = None, err: TextIO | None = None, colour: bool | None = None) -> None:
+                 out: TextIO | None = None, err: TextIO | None = None, colour: bool | None = None,
+                 constraint: Constraint | None = None) -> None:
         tok = engine.tokenizer
         if tok is None or not tok.chat_template:
             raise VerispecError(f"{engine.config.model} has no chat template; `verispec chat` needs a chat model "
@@ -71,7 +73,7 @@ class Chat:
         if params.max_tokens >= engine.max_len:
             raise VerispecError(f"--max-tokens {params.max_tokens} leaves no room for a question in a context of "
                                 f"{engine.max_len} tokens (--max-len)")
-        self.engine, self.params, self.spec = engine, params, spec
+        self.engine, self.params, self.spec, self.constraint = engine, params, spec, constraint
         self.out = out or sys.stdout
         self.err = err or sys.stderr
         self.colour = use_colour(self.out) if colour is None else colour
@@ -108,7 +110,7 @@ class Chat:
         try:
             with self._sigint():
                 result = self.engine.generate(ids, self.params, self.spec, on_tokens=on_tokens,
-                                              prediction=prediction)[0]
+                                              prediction=prediction, constraint=self.constraint)[0]
             printer.finish(result.text)
             self.out.write("\n")
             self.messages.append({"role": "assistant", "content": result.text or ""})

@@ -16,6 +16,7 @@ from verispec.errors import VerispecError
 
 if TYPE_CHECKING:
     from verispec import Engine, GenerationResult, SamplingParams
+    from verispec.constraints import Constraint
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -129,13 +130,33 @@ def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
     p.add_argument("--seed", type=int)
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--presence-penalty", type=float, default=0.0, help="subtracted from the logit of every token "
+                   "the answer holds (-2..2)")
+    p.add_argument("--frequency-penalty", type=float, default=0.0, help="subtracted once per time the answer holds "
+                   "a token (-2..2)")
+    shape = p.add_mutually_exclusive_group()
+    shape.add_argument("--json-schema", metavar="FILE", help="the answer is JSON valid under this JSON schema")
+    shape.add_argument("--grammar", metavar="FILE", help="the answer follows this grammar (Lark, llguidance's "
+                       "dialect; %%json embeds a JSON schema)")
+    shape.add_argument("--regex", help="the answer matches this regular expression")
 
 
 def _sampling_from(args: argparse.Namespace) -> SamplingParams:
     from verispec import SamplingParams
 
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                          top_p=args.top_p, seed=args.seed, stop=tuple(args.stop or ()), ignore_eos=args.ignore_eos)
+                          top_p=args.top_p, seed=args.seed, stop=tuple(args.stop or ()), ignore_eos=args.ignore_eos,
+                          presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty)
+
+
+def _constraint_from(args: argparse.Namespace) -> Constraint | None:
+    from verispec.constraints import Constraint
+
+    if args.json_schema:
+        return Constraint.json_schema(read_text(args.json_schema, "--json-schema"))
+    if args.grammar:
+        return Constraint.lark(read_text(args.grammar, "--grammar"))
+    return Constraint.regex(args.regex) if args.regex else None
 
 
 def _use_chat_template(engine: Engine, args: argparse.Namespace) -> bool:
@@ -151,13 +172,14 @@ def _generate(engine: Engine, args: argparse.Namespace, params: SamplingParams,
     """Generate for ``args.prompt``; without --json the text is printed to stdout as it streams."""
     chat = _use_chat_template(engine, args)
     prediction = read_text(args.prediction, "--prediction") if args.prediction else None
+    constraint = _constraint_from(args)
     if args.json:
-        return engine.generate(args.prompt, params, spec, chat=chat, prediction=prediction)[0]
+        return engine.generate(args.prompt, params, spec, chat=chat, prediction=prediction, constraint=constraint)[0]
     from verispec.console import AnswerPrinter
 
     printer = AnswerPrinter(engine.tokenizer, params.stop, sys.stdout)
     result = engine.generate(args.prompt, params, spec, chat=chat, on_tokens=printer.on_tokens,
-                             prediction=prediction)[0]
+                             prediction=prediction, constraint=constraint)[0]
     printer.finish(result.text)
     print()
     return result
@@ -219,7 +241,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     spec = _spec_from(args)
     _no_tp(args)
     engine = Engine.from_pretrained(args.model, draft=args.draft, **_engine_kwargs(args))
-    return Chat(engine, params, spec, system=args.system).run()
+    return Chat(engine, params, spec, system=args.system, constraint=_constraint_from(args)).run()
 
 
 def cmd_models(args: argparse.Namespace) -> int:

@@ -18,6 +18,7 @@ depend on which way its own draw fell: verification rejects it (p = 0) and draws
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -159,6 +160,7 @@ class RowLogits:
         self.counts = torch.zeros(vocab_size, device=device) if self.penalties else None
         self._seen = 0  # output tokens folded into the counts and the matcher
         self._now: tuple[int, torch.Tensor] | None = None  # (self._seen, the bitmask there)
+        self.seconds = 0.0  # spent in masks and penalties
 
     @property
     def grammar(self) -> bool:
@@ -180,16 +182,21 @@ class RowLogits:
         """How many leading tokens of ``draft`` the grammar accepts after ``seq``."""
         if self.matcher is None:
             return len(draft)
+        t0 = time.perf_counter()
         self._sync(seq)
-        return self.matcher.validate_tokens(draft)
+        n = self.matcher.validate_tokens(draft)
+        self.seconds += time.perf_counter() - t0
+        return n
 
     def finish_reason(self, seq: list[int]) -> str | None:
         """``"stop"`` once the grammar is complete (only the end can follow), :data:`DEAD_END` when it
         allows nothing, else None."""
         if self.matcher is None:
             return None
+        t0 = time.perf_counter()
         self._sync(seq)
         self._now = (self._seen, self._masks([[]])[0])  # a dead end shows once the mask is computed; the step reuses it
+        self.seconds += time.perf_counter() - t0
         if self.matcher.is_error():
             return DEAD_END
         if self.matcher.is_stopped():  # nothing but the end can follow: complete, or stuck short of it
@@ -202,6 +209,7 @@ class RowLogits:
         A path the grammar refuses (a sampled draft's refused token; see the module) leaves its row
         without a mask: that row is never used.
         """
+        t0 = time.perf_counter()
         self._sync(seq)
         out = logits.float().clone()
         if self.bias is not None:
@@ -210,6 +218,7 @@ class RowLogits:
             self._penalize(out, paths)
         if self.matcher is not None:
             out.masked_fill_(~self._allowed(paths).to(out.device), float("-inf"))
+        self.seconds += time.perf_counter() - t0
         return out
 
     def _penalize(self, out: torch.Tensor, paths: list[list[int]]) -> None:

@@ -149,7 +149,8 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
     memory = MemoryTracker()
     runner = BenchRunner(params, opts.repeats, opts.seed, opts.progress, memory)
     gens = {m.label: engine_generate(engines[m.kernels_or(opts.kernels)], m.spec, m.predict,
-                                     m.sampling if m.run_options else None, m.policy_off) for m in methods}
+                                     m.sampling if m.run_options else None, m.policy_off, m.constrain)
+            for m in methods}
     kinds = {m.label: "baseline" if m.is_baseline else "verispec" for m in methods}
     if peers is not None:
         gens.update(peers.methods)

@@ -15,6 +15,7 @@ from typing import Any
 
 from verispec.bench.datasets import BenchPrompt
 from verispec.bench.memory import MemoryTracker
+from verispec.constraints import Constraint
 from verispec.engine.engine import Engine, GenerationResult
 from verispec.engine.metrics import STAGES, Metrics
 from verispec.sampling import SamplingParams
@@ -53,6 +54,7 @@ class Item:
     chat: bool
     prediction: str | None = None  # the predicted output, for methods that send one
     unrelated: str | None = None  # another prompt's prediction, for methods that send an unrelated one
+    schema: dict | None = None  # the JSON schema its answer follows, for methods that constrain
 
     def as_dict(self) -> dict[str, Any]:
         return {"index": self.index, "prompt_id": self.prompt_id, "category": self.category, "turn": self.turn,
@@ -88,9 +90,10 @@ Generate = Callable[[Item, SamplingParams], GenerationResult]
 
 def engine_generate(engine: Engine, spec: Any, predict: str = "",
                     sampling: Callable[[SamplingParams], SamplingParams] | None = None,
-                    policy_off: frozenset[str] = frozenset()) -> Generate:
+                    policy_off: frozenset[str] = frozenset(), constrain: bool = False) -> Generate:
     """A :data:`Generate` for ``engine`` decoding with ``spec`` and, with ``predict``, the item's own ("own") or an
-    unrelated ("other") prediction; ``sampling`` turns the run's sampling parameters into the method's own.
+    unrelated ("other") prediction; ``sampling`` turns the run's sampling parameters into the method's own;
+    ``constrain`` makes the answer follow the item's JSON schema, where it has one.
 
     ``policy_off``: the engine's cost policy runs with these rules switched off while this method generates.
     """
@@ -106,9 +109,10 @@ def engine_generate(engine: Engine, spec: Any, predict: str = "",
             if not ablated:
                 ablated.append(replace(saved, chosen={}, off=policy_off))
             engine.policy = ablated[0]
+        constraint = Constraint.json_schema(item.schema) if constrain and item.schema is not None else None
         try:
             return engine.generate(item.payload, sampling(params) if sampling else params, spec, chat=item.chat,
-                                   prediction=prediction)[0]
+                                   prediction=prediction, constraint=constraint)[0]
         finally:
             if policy_off:
                 engine.policy = saved
@@ -171,7 +175,7 @@ class BenchRunner:
         for j, p in enumerate(tqdm(prompts, desc="prompts", unit="prompt", disable=not self.progress or None)):
             # The next prompt's prediction that is not this one's: what an unrelated prediction looks like.
             unrelated = next((x for x in predictions[j + 1:] + predictions[:j] if x and x != p.prediction), None)
-            item = Item(len(items), p.id, p.category, 1, p.text, p.chat, p.prediction, unrelated)
+            item = Item(len(items), p.id, p.category, 1, p.text, p.chat, p.prediction, unrelated, p.schema)
             messages = [{"role": "user", "content": p.text}]
             for turn, follow in enumerate((None, *p.followups), start=1):
                 if follow is not None:

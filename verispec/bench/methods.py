@@ -9,12 +9,14 @@ drafter as its context lookup), ``suffix:width=3`` (suffix drafts as token trees
 ``hybrid:off=probes+margin`` (the default with those rules of the cost policy switched off, for an
 ablation; the rules are :data:`~verispec.engine.policy.RULES`), ``hybrid:predict=1`` (the default with
 each prompt's predicted output, where its dataset has one),
-``hybrid:predict=other`` (with another prompt's: an unrelated prediction) and ``none:predict=1`` (plain
-decoding plus the prediction alone).
+``hybrid:predict=other`` (with another prompt's: an unrelated prediction), ``none:predict=1`` (plain
+decoding plus the prediction alone) and ``hybrid:constrain=1`` / ``none:constrain=1`` (answers constrained to
+each prompt's JSON schema, where its dataset has one: ``json_extract``).
 Options of the run rather than of the speculation apply to plain decoding (``none``) too: ``kernels``
 (``none:kernels=q8``: an engine whose int4/int8 layers run the q8 kernels, loaded beside the run's) and the
 sampling options ``temperature``, ``top_p`` and ``top_k`` (``hybrid:temperature=0.8,top_p=0.9``), which
-override ``bench``'s --kernels, --temperature, --top-p and --top-k for that method.
+override ``bench``'s --kernels, --temperature, --top-p and --top-k for that method, and ``presence_penalty``,
+``frequency_penalty`` and ``logprobs`` (``none:logprobs=5``).
 An option a string leaves out takes the run's defaults: :data:`~verispec.config.DEFAULT_SPEC` (what
 ``verispec generate`` runs), as ``bench``'s -k, --k-policy, --confidence, --draft-vocab and
 --draft-window change it; so ``draft`` is the draft model under the default cost policy, and
@@ -41,6 +43,9 @@ RUN_OPTIONS: dict[str, tuple[str, type]] = {
     "temperature": ("temperature", float),
     "top_p": ("top_p", float),
     "top_k": ("top_k", int),
+    "presence_penalty": ("presence_penalty", float),
+    "frequency_penalty": ("frequency_penalty", float),
+    "logprobs": ("logprobs", int),
 }
 
 # Option names accepted after the colon -> (SpecConfig field, parser). Short aliases keep labels readable.
@@ -86,11 +91,15 @@ class Method:
     temperature: float | None = None  # sampling for this method (None: the run's)
     top_p: float | None = None
     top_k: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logprobs: int | None = None
     policy_off: frozenset[str] = frozenset()  # cost-policy rules switched off while this method runs
+    constrain: bool = False  # answers follow their prompt's JSON schema (datasets with a ``schema`` field)
 
     @property
     def is_baseline(self) -> bool:
-        return not self.spec.enabled and not self.predict and not self.run_options
+        return not self.spec.enabled and not self.predict and not self.run_options and not self.constrain
 
     @property
     def is_plain(self) -> bool:
@@ -126,13 +135,16 @@ def parse_method(text: str, defaults: SpecConfig = DEFAULT_SPEC) -> Method:
     predict = _predict_option(text, opts)
     run = _run_options(text, opts)
     off = _policy_off(text, opts)
+    constrain = _flag(text, opts, "constrain")
     opts = ",".join(o for o in opts.split(",")
-                    if o.partition("=")[0].strip() not in (*PREDICT_KEYS, *RUN_OPTIONS, "off"))
+                    if o.partition("=")[0].strip() not in (*PREDICT_KEYS, *RUN_OPTIONS, "off", "constrain"))
     if name in ("none", BASELINE):
         if opts.strip() or off:
             raise VerispecError(f"method '{text}': plain decoding takes no speculation options (only predict, "
-                                f"{', '.join(RUN_OPTIONS)})")
-        return Method(text, PLAIN, predict=predict, **run) if predict or run else Method(BASELINE, PLAIN)
+                                f"constrain, {', '.join(RUN_OPTIONS)})")
+        if predict or run or constrain:
+            return Method(text, PLAIN, predict=predict, constrain=constrain, **run)
+        return Method(BASELINE, PLAIN)
     if name not in METHODS:
         raise VerispecError(f"unknown method '{name}' in '{text}' (choose from {', '.join(METHODS)})")
     values: dict[str, Any] = {"method": name}
@@ -155,7 +167,7 @@ def parse_method(text: str, defaults: SpecConfig = DEFAULT_SPEC) -> Method:
         raise VerispecError(f"method '{text}': k=0 is plain decoding; use 'none'")
     if off and spec.k_policy != "cost":
         raise VerispecError(f"method '{text}': off= switches rules of the cost policy (policy=cost)")
-    return Method(text, spec, explicit_k, predict=predict, policy_off=off, **run)
+    return Method(text, spec, explicit_k, predict=predict, policy_off=off, constrain=constrain, **run)
 
 
 def _policy_off(text: str, opts: str) -> frozenset[str]:
@@ -202,13 +214,25 @@ def reference(method: Method, methods: list[Method], kernels: str, params: Sampl
     and sampling (``kernels`` and ``params`` are the run's); None where there is none but ``method`` itself."""
     for m in methods:
         if (m.is_plain and not m.predict and m is not method and m.kernels_or(kernels) == method.kernels_or(kernels)
-                and m.sampling(params) == method.sampling(params)):
+                and m.sampling(params) == method.sampling(params) and m.constrain == method.constrain):
             return m
     return None
 
 
 PREDICT_KEYS = ("predict", "prediction")
 PREDICT_VALUES = {"0": "", "1": "own", "own": "own", "other": "other"}
+
+
+def _flag(text: str, opts: str, key: str) -> bool:
+    """A 0/1 option of a method string (absent: 0)."""
+    value = False
+    for opt in opts.split(","):
+        k, _, raw = opt.partition("=")
+        if k.strip() == key:
+            if raw.strip() not in ("0", "1"):
+                raise VerispecError(f"method '{text}': {key} must be 0 or 1 (got '{raw.strip()}')")
+            value = raw.strip() == "1"
+    return value
 
 
 def _predict_option(text: str, opts: str) -> str:

@@ -238,14 +238,17 @@ class Engine:
             raise VerispecError(f"constraint must be a Constraint, not {type(constraint).__name__}")
         if constraint is None and not processes(params):
             return None
-        matcher = None
-        if constraint is not None:
-            if self.tokenizer is None:
-                raise VerispecError("a constraint needs a tokenizer")
-            if self._grammar_tokenizer is None:
-                self._grammar_tokenizer = GrammarTokenizer(self.tokenizer, vocab, sorted(self.eos_ids))
-            matcher = self._grammar_tokenizer.matcher(constraint)
+        matcher = None if constraint is None else self.grammar_tokenizer().matcher(constraint)
         return RowLogits(params, prompt_len, vocab, matcher, self.target.device)
+
+    def grammar_tokenizer(self) -> GrammarTokenizer:
+        """The tokenizer as constraints see it, built on first use (about a second for a 150k vocabulary)."""
+        if self.tokenizer is None:
+            raise VerispecError("a constraint needs a tokenizer")
+        if self._grammar_tokenizer is None:
+            self._grammar_tokenizer = GrammarTokenizer(self.tokenizer, self.target.args.vocab_size,
+                                                       sorted(self.eos_ids))
+        return self._grammar_tokenizer
 
     def _reserve(self, ids: list[int], params: SamplingParams) -> int:
         # A request never holds more than its slot: one whose max_tokens runs past the context ends
@@ -462,6 +465,8 @@ class Engine:
         m.total_s = time.perf_counter() - (req.handle.admitted_at or req.handle.submitted_at)
         if req.predictor is not None:
             m.accepted_prediction_tokens, m.rejected_prediction_tokens = req.predictor.accepted, req.predictor.rejected
+        if req.processor is not None:
+            m.constrain_s = req.processor.seconds
         self.stats.requests.merge(m)
         if error is not None:
             req.handle._finish(None, error)

@@ -83,6 +83,8 @@ class Metrics:
     # Predicted outputs: drafted tokens of the prediction that verification kept / threw away.
     accepted_prediction_tokens: int = 0
     rejected_prediction_tokens: int = 0
+    # Seconds spent processing logits (grammar masks, penalties; part of the stages' time, not beside it).
+    constrain_s: float = 0.0
 
     def record_step(self, k: int, drafted: int, accepted: int) -> None:
         self.steps += 1
@@ -130,7 +132,8 @@ class Metrics:
     def merge(self, other: Metrics) -> Metrics:
         """Add ``other``'s counts into this one (returns self)."""
         for name in ("requests", "prompt_tokens", "prefix_reused_tokens", "generated_tokens", "steps", "drafted",
-                     "accepted", "total_s", "ttft_s", "accepted_prediction_tokens", "rejected_prediction_tokens"):
+                     "accepted", "total_s", "ttft_s", "accepted_prediction_tokens", "rejected_prediction_tokens",
+                     "constrain_s"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for mine, theirs in ((self.drafted_by_position, other.drafted_by_position),
                              (self.accepted_by_position, other.accepted_by_position)):

@@ -199,9 +199,15 @@ class EngineWorker:
     # -- lifecycle ---------------------------------------------------------------------------
 
     def warm_up(self, k_max: int) -> None:
-        """Profile the cost policy's curves for k up to ``k_max`` before serving, if the default spec uses it."""
+        """Profile the cost policy's curves for k up to ``k_max`` before serving, if the default spec uses it, and
+        build the tokenizer constraints use (so the first structured request does not wait for it)."""
         if self._spec.k_policy == "cost" and self.engine.costs is None:
             self.engine.profile(k_max)
+        if self.engine.tokenizer is not None:
+            try:
+                self.engine.grammar_tokenizer()
+            except VerispecError as e:  # the server still serves; constrained requests get this error
+                logger.warning("structured outputs are unavailable: %s", e)
 
     def start(self) -> None:
         """Start the stepping thread (idempotent)."""
