@@ -309,3 +309,22 @@ def test_serve_has_a_switch_to_turn_reuse_off(monkeypatch: pytest.MonkeyPatch) -
     for flags, reuse in (([], True), (["--no-prefix-reuse"], False)):
         args = build_parser().parse_args(["serve", "--model", "m", *flags])
         assert args.func(args) == 0 and seen[-1].prefix_reuse is reuse
+
+
+@pytest.mark.parametrize("name", ["plain", "draft"])
+def test_rows_running_together_share_a_prompt_prefill(engine: Engine, name: str) -> None:
+    # n choices of one request, and prompts that share a system prompt, prefill their common prefix once.
+    spec = SPECS[name]
+    system = prompt(60, 11)
+    prompts = [system + prompt(5, 12), system + prompt(5, 12), system + prompt(7, 13)]
+    be = engine.with_config(max_batch=4, prefix_reuse=True)
+    before = be.stats.prefill_tokens
+    results = be.generate(prompts, GREEDY, spec)
+    assert be.stats.prefill_tokens - before == (len(prompts[0]) - 1) + (len(prompts[2]) - 1 - len(system))
+    assert [r.metrics.prefix_reused_tokens for r in results] == [0, len(prompts[1]) - 1, len(system)]
+    for ids, r in zip(prompts, results, strict=True):
+        assert r.token_ids == alone(engine, ids, spec=spec)
+    # With reuse off every row prefills its own prompt.
+    off = engine.with_config(max_batch=4, prefix_reuse=False)
+    off.generate(prompts, GREEDY, spec)
+    assert off.stats.prefill_tokens == sum(len(p) - 1 for p in prompts)

@@ -332,7 +332,8 @@ class Engine:
                     except Exception as e:  # noqa: BLE001 (this request's drafter or sampling set-up)
                         self._fail_request(adm.item, e, slot=adm.slot)
                 waiting = [r for r in self._running.values() if not r.prefilled]
-                for req, e in self.rows.prefill(waiting, self.config.prefill_chunk):
+                sharing = list(self._running.values()) if self.config.prefix_reuse else []
+                for req, e in self.rows.prefill(waiting, self.config.prefill_chunk, sharing):
                     self._fail_request(req, e)
                 ready = [r for r in self._running.values() if r.prefilled]
                 if ready:

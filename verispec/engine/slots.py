@@ -17,7 +17,7 @@ from verispec.drafters import DrafterPool
 from verispec.drafters.prediction import PredictionDrafter
 from verispec.engine.draft_runner import DraftRunner
 from verispec.engine.metrics import EngineStats
-from verispec.engine.prefix import SlotPrefixes, held_tokens
+from verispec.engine.prefix import SlotPrefixes, common_prefix, held_tokens
 from verispec.engine.request import Request
 from verispec.log import logger
 from verispec.models.kv_cache import KVCache
@@ -62,18 +62,22 @@ class Slots:
                 self.stats.prefix_draft_reused_tokens += self.draft_runner.reused_tokens - before
         req.slot = slot
 
-    def prefill(self, requests: list[Request], budget: int) -> list[tuple[Request, Exception]]:
+    def prefill(self, requests: list[Request], budget: int, running: list[Request] = ()) -> list[tuple[Request,
+                                                                                                         Exception]]:
         """Prefill up to ``budget`` prompt tokens of ``requests``, in order; the requests whose forward raised.
 
         A row holds all but its prompt's last token when prefilled: the first step scores that one
-        with the first drafts.
+        with the first drafts. A row first copies what another of the ``running`` rows already holds of
+        its prompt (``n`` choices of one request, prompts sharing a system prompt): copies cost no budget.
         """
         t0 = time.perf_counter()
         failed: list[tuple[Request, Exception]] = []
         device = self.target.device
         for req in requests:
+            self._borrow(req, running)
             if budget <= 0:
-                break
+                req.prefilled = self.cache.lengths[req.slot] == len(req.prompt) - 1
+                continue
             slot, target_len = req.slot, len(req.prompt) - 1
             done = self.cache.lengths[slot]
             n = min(target_len - done, budget)
@@ -93,6 +97,20 @@ class Slots:
             req.prefilled = self.cache.lengths[slot] == target_len
         self.stats.prefill_s += time.perf_counter() - t0
         return failed
+
+    def _borrow(self, req: Request, running: list[Request]) -> None:
+        """Copy into ``req``'s row the longest run of its prompt past what it holds that another row holds."""
+        slot, want = req.slot, len(req.prompt) - 1
+        best, source = self.cache.lengths[slot], None
+        for other in running:
+            have = min(self.cache.lengths[other.slot], want) if other is not req and other.slot is not None else 0
+            if have > best and (n := common_prefix(req.prompt[:have], other.seq[:have])) > best:
+                best, source = n, other.slot
+        if source is not None:
+            shared = best - self.cache.lengths[slot]
+            self.cache.copy(source, slot, self.cache.lengths[slot], best)
+            req.metrics.prefix_reused_tokens += shared
+            self.stats.prefix_reused_tokens += shared
 
     def release(self, req: Request, error: BaseException | None) -> None:
         """Free ``req``'s slot, keeping its KV as a cached prefix unless it failed, and pool its drafter."""

@@ -39,5 +39,16 @@ class KVCache:
     def reset(self, row: int) -> None:
         self.lengths[row] = 0
 
+    def copy(self, src: int, dst: int, start: int, end: int) -> None:
+        """Copy row ``src``'s positions ``start..end - 1`` into row ``dst``, which then holds ``end`` positions
+        (``dst`` must hold ``start`` already: K/V of the same tokens at the same positions)."""
+        if not (start <= self.lengths[dst] and end <= self.lengths[src]):
+            raise ValueError(f"cannot copy positions {start}..{end} of row {src} (length {self.lengths[src]}) "
+                             f"to row {dst} (length {self.lengths[dst]})")
+        for k, v in zip(self.k, self.v, strict=True):
+            k[dst, :, start:end] = k[src, :, start:end]
+            v[dst, :, start:end] = v[src, :, start:end]
+        self.lengths[dst] = end
+
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.k + self.v)
