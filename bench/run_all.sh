@@ -7,7 +7,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-docs/results}
-STEPS=${STEPS:-report ablation code_edit trees stability concurrency prefix_reuse server sampling verify_cost kernels q8 fused_paths int4_long int4_long_q8 predicted predicted_polyglot peer_spread}
+STEPS=${STEPS:-report ablation structured processing code_edit trees stability concurrency prefix_reuse server sampling verify_cost kernels q8 fused_paths int4_long int4_long_q8 predicted predicted_polyglot peer_spread}
 V=.venv/bin/verispec
 PY=.venv/bin/python
 PAIR=(--model qwen2.5-coder-1.5b-instruct --draft qwen2.5-coder-0.5b-instruct --dtype bfloat16 --weights dense
@@ -52,6 +52,14 @@ for step in $STEPS; do
         --per-category 1 --seed 1 --max-tokens 64 --max-len 2048 --no-progress --out "$D/1-4"
       $V bench "${INT4_PAIR[@]}" --methods none,hybrid --clients 8,16 --dataset spec_bench \
         --per-category 2 --seed 1 --max-tokens 64 --max-len 2048 --no-progress --out "$D/8-16" ;;
+    structured)   # structured outputs: the packaged json_extract requests (extraction with a JSON schema each),
+                  # answers constrained to their schema against unconstrained, plain and under the defaults, with
+                  # schema validity and the constraint's time per token (no setting was tuned on these prompts)
+      $V bench "${INT4_PAIR[@]}" --methods none,none:constrain=1,hybrid,hybrid:constrain=1 --dataset json_extract \
+        --max-tokens 512 --repeats 1 --no-progress --out "$D" ;;
+    processing)   # what penalties and logprobs cost plain decoding (report split, Spec-Bench seed 1), 2 repeats
+      $V bench "${INT4_PAIR[@]}" --methods none,none:presence_penalty=0.5,frequency_penalty=0.5,none:logprobs=5 \
+        --dataset spec_bench --per-category 1 --seed 1 --max-tokens 128 --repeats 2 --no-progress --out "$D" ;;
     stability)    # odd inputs (context limits, markup, emoji, control characters), plain against speculative
       $V bench "${PAIR[@]}" "${SPEC[@]}" --methods draft,ngram --dataset humaneval --n 1 --max-tokens 16 --max-len 1024 \
         --stability --no-progress --out "$D" ;;

@@ -91,6 +91,17 @@ def client(server: str) -> OpenAI:
     return OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=300)
 
 
+def spec_usage(r: Any) -> dict[str, Any]:
+    """verispec's ``usage.speculative``: which path the request took and what was drafted."""
+    return r.usage.model_dump()["speculative"]
+
+
+def assert_paths(spec: Any, plain: Any) -> None:
+    """The comparison is not vacuous: one request speculated (and drafted), the other decoded plainly."""
+    assert spec_usage(spec)["path"] == "speculative" and spec_usage(spec)["drafted"] > 0
+    assert spec_usage(plain)["path"] == "plain"
+
+
 def chat(client: OpenAI, content: str | list[dict[str, Any]], **kwargs: Any) -> Any:
     messages = [{"role": "user", "content": content}] if isinstance(content, str) else content
     return client.chat.completions.create(model=MODEL, messages=messages, **kwargs)
@@ -194,6 +205,7 @@ def test_json_schema_output_validates_and_speculation_is_exact(client: OpenAI, c
     value = json.loads(content)
     assert schema_errors(value, schema) == [], content
     assert content == plain.choices[0].message.content  # greedy constrained speculation is exact
+    assert_paths(spec, plain)
     assert spec.usage.completion_tokens == plain.usage.completion_tokens
 
 
@@ -263,16 +275,47 @@ TOOLS = [
 ]
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
 TRIP = "I'm flying to Tokyo tomorrow and wonder what to pack."
+PARIS = "What's the weather in Paris in celsius?"
 
 
-def test_auto_tool_choice_calls_the_tool(client: OpenAI) -> None:
-    r = chat(client, "What's the weather in Paris in celsius?", tools=TOOLS, tool_choice="auto", max_tokens=80,
-             **GREEDY)
+def test_auto_tool_choice_renders_the_tools(client: OpenAI) -> None:
+    """Under "auto" the model decides. This int4 1.5B coder never opens a ``<tool_call>`` for this prompt
+    (it answers with the call as a JSON code block instead), so what is asserted is only what holds either way:
+    the tools reach the prompt, and a call, if made, is parsed into ``tool_calls``."""
+    r = chat(client, PARIS, tools=TOOLS, tool_choice="auto", max_tokens=80, **GREEDY)
     choice = r.choices[0]
-    assert choice.finish_reason == "tool_calls", choice.message
+    if choice.message.tool_calls:
+        assert choice.finish_reason == "tool_calls"
+        call = choice.message.tool_calls[0]
+        assert call.type == "function" and call.function.name == "get_weather"
+        assert "paris" in json.loads(call.function.arguments)["city"].lower()
+    else:
+        assert choice.finish_reason == "stop"
+        assert "get_weather" in choice.message.content  # named nowhere but in the rendered tools
+
+
+def test_required_tool_choice_calls_the_fitting_tool(client: OpenAI) -> None:
+    """"required" forces calls of listed functions; greedy, the first is the one the question calls for. (This model
+    goes on making further calls until max_tokens, which "required" allows: only the first call is asserted on.)"""
+    r = chat(client, PARIS, tools=TOOLS, tool_choice="required", max_tokens=60, **GREEDY)
+    choice = r.choices[0]
+    assert choice.finish_reason in ("tool_calls", "length"), choice.message
+    assert choice.message.tool_calls
     call = choice.message.tool_calls[0]
-    assert call.type == "function" and call.function.name == "get_weather"
-    assert "paris" in json.loads(call.function.arguments)["city"].lower()
+    assert call.id and call.type == "function" and call.function.name == "get_weather"
+    arguments = json.loads(call.function.arguments)
+    assert schema_errors(arguments, WEATHER_PARAMS) == [], arguments
+    assert "paris" in arguments["city"].lower() and arguments["unit"] == "celsius"
+    for other in choice.message.tool_calls[1:]:
+        assert other.function.name in ("get_weather", "get_time")
+        json.loads(other.function.arguments)
+
+
+def test_no_parallel_tool_calls_means_one_call(client: OpenAI) -> None:
+    r = chat(client, PARIS, tools=TOOLS, tool_choice="required", parallel_tool_calls=False, max_tokens=60, **GREEDY)
+    choice = r.choices[0]
+    assert len(choice.message.tool_calls) == 1 and choice.finish_reason == "tool_calls"
+    assert r.usage.completion_tokens < 60 and not choice.message.content
 
 
 @pytest.fixture(scope="module")
@@ -345,9 +388,11 @@ def test_chat_logprobs_per_token_and_exact_under_speculation(client: OpenAI) -> 
             assert e.bytes == list(e.token.encode("utf-8")) or "\ufffd" in e.token
             tops = [t.logprob for t in e.top_logprobs]
             assert len(tops) == 3 and tops == sorted(tops, reverse=True) and all(t <= 0 for t in tops)
-            assert e.top_logprobs[0].token == e.token  # greedy: the chosen token is the likeliest
-            assert abs(e.top_logprobs[0].logprob - e.logprob) < 1e-6
+            # Greedy: the chosen token is a likeliest one (ties happen: bf16 logits; either may be listed first).
+            assert abs(tops[0] - e.logprob) < 1e-6
+            assert e.token in [t.token for t in e.top_logprobs] or abs(tops[-1] - tops[0]) < 1e-6
         assert bytes(b for e in entries for b in e.bytes).decode("utf-8") == r.choices[0].message.content
+    assert_paths(spec, plain)
     a, b = _logprob_entries(spec), _logprob_entries(plain)
     assert [e.token for e in a] == [e.token for e in b]
     for x, y in zip(a, b, strict=True):
@@ -385,7 +430,8 @@ def test_completion_logprobs(client: OpenAI) -> None:
     for i, (token, logprob, top) in enumerate(zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True)):
         assert logprob <= 0
         assert isinstance(top, dict) and 2 <= len(top) <= 3  # the 2 likeliest (plus the chosen one, if not among)
-        assert max(top, key=top.get) == token and abs(top[token] - logprob) < 1e-6  # greedy
+        assert abs(max(top.values()) - logprob) < 1e-6  # greedy: a likeliest token (ties happen)
+        assert abs(top.get(token, logprob) - logprob) < 1e-6
         if i:
             assert lp.text_offset[i] == lp.text_offset[i - 1] + len(lp.tokens[i - 1])
 
@@ -438,6 +484,7 @@ def test_penalties_are_exact_under_speculation(client: OpenAI) -> None:
     plain = chat(client, prompt, **kw, extra_body=SPEC_OFF)
     assert spec.choices[0].message.content
     assert spec.choices[0].message.content == plain.choices[0].message.content
+    assert_paths(spec, plain)
 
 
 @pytest.fixture(scope="module")

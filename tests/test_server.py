@@ -294,7 +294,7 @@ def _assert_error(r: httpx.Response, status: int, param: str | None = None) -> d
     ({"model": MODEL, "prompt": "a", "n": 0}, 400, "n"),
     ({"model": MODEL, "prompt": "a", "stop": [""]}, 400, None),  # refused by SamplingParams
     ({"model": MODEL, "prompt": "a", "logprobs": 6}, 400, "logprobs"),
-    ({"model": MODEL, "prompt": "a", "logprobs": 1, "echo": True}, 400, None),
+    ({"model": MODEL, "prompt": "a", "logprobs": 1, "echo": True}, 400, "echo"),
     ({"model": MODEL, "prompt": "a", "presence_penalty": 3}, 400, "presence_penalty"),
     ({"model": MODEL, "prompt": "a", "logit_bias": {"x": 1}}, 400, "logit_bias"),
     ({"model": MODEL, "prompt": "a", "logit_bias": {"5": 200}}, 400, "logit_bias"),

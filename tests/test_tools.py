@@ -433,3 +433,17 @@ def test_the_template_rendered_calls_satisfy_the_grammar(qwen: tuple[Any, Any]) 
     assert full.startswith(prompt) and full.endswith("<|im_end|>\n")
     answer = full[len(prompt):-len("<|im_end|>\n")]
     assert_complete(ll, spec.grammar(), model_tokens(tok, answer))  # type: ignore[union-attr, arg-type]
+
+
+def test_without_parallel_calls_one_call_at_most() -> None:
+    spec = parse_tools(TOOLS, "required", parallel=False)
+    assert spec is not None and not spec.parallel
+    assert "start: call\n" in spec.grammar() and '("\\n" call)*' not in spec.grammar()
+    text = ('<tool_call>\n{"name": "get_time", "arguments": {"timezone": "UTC"}}\n</tool_call>\n'
+            '<tool_call>\n{"name": "get_time", "arguments": {"timezone": "CET"}}\n</tool_call>')
+    content, calls = parse_tool_calls(text, spec)
+    assert len(calls) == 1 and "CET" in (content or "")
+    stream = ToolCallStream(spec)
+    events = [e for ch in text for e in stream.feed(ch)] + stream.finish()
+    assert sum(e[0] == "tool_call" for e in events) == 1
+    assert len(parse_tool_calls(text, parse_tools(TOOLS, "required"))[1]) == 2

@@ -110,7 +110,7 @@ class Constraint:
 
 
 class GrammarTokenizer:
-    """A tokenizer as llguidance sees it (building one takes about a second: an engine keeps one).
+    """A tokenizer as llguidance sees it (building one takes a few seconds: an engine keeps one).
 
     ``vocab_size`` is the model's (its embedding may have padding rows past the tokenizer's); any of
     ``eos_ids`` ends a complete grammar.
@@ -121,11 +121,13 @@ class GrammarTokenizer:
         import llguidance.hf
 
         self.vocab_size = vocab_size
+        self._llg = llg
         try:
             self.ll = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=sorted(eos_ids))
         except (ValueError, TypeError, AttributeError) as e:
             raise ConstraintError(f"this model's tokenizer cannot be used for constraints: {e}") from e
-        self._llg = llg
+        # The first mask on a tokenizer builds llguidance's token tables (about 2 s for 150k tokens): pay it here.
+        self.matcher(Constraint.json_object()).compute_bitmask()
 
     def matcher(self, constraint: Constraint) -> Any:
         m = self._llg.LLMatcher(self.ll, constraint.grammar(), log_level=0)

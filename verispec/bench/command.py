@@ -115,6 +115,7 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
     from verispec.bench.memory import MemoryTracker, drafter_footprint, peak_rss_bytes, rss_bytes
     from verispec.bench.methods import BASELINE, parse_methods, with_k_sweep
     from verispec.bench.stats import aggregate, overall, repeat_ratios
+    from verispec.bench.structured import structured
     from verispec.config import spec_defaults
     from verispec.sampling import SamplingParams
 
@@ -203,6 +204,7 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
         "consistency": [c.as_dict() for c in consistency],
         "repeat_ratios": spread,
         "memory": mem, "peers": peers_info, "stability": stability, "plots": [], "warnings": warnings,
+        "structured": structured(prompts, items, records, {m.label for m in methods if m.constrain}),
         "items": [i.as_dict() for i in items],
         "records": [r.as_dict() for recs in records.values() for r in recs],
     }

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from verispec.bench.stats import STAGE_NAMES
+from verispec.bench.structured import markdown as structured_markdown
 
 REPORT_KEYS = ("title", "date", "settings", "models", "machine", "versions", "methods", "summary", "per_category",
                "consistency", "repeat_ratios", "memory", "peers", "stability", "plots", "warnings", "items", "records")
@@ -358,6 +359,9 @@ def markdown(report: dict[str, Any]) -> str:
         "## Acceptance by draft position", "", _acceptance_by_position(report), "",
         "## Time per stage (share of wall time)", "", _stages(report), "",
         "## Output consistency against plain decoding", "", _consistency(report), "",
+        *(["## Structured outputs", "", "Answers whose whole text parses as JSON and follows the prompt's schema "
+           "(an answer in a Markdown fence does not); the constraint's time (grammar masks, draft cuts) per "
+           "generated token.", "", structured_markdown(report["structured"]), ""] if report.get("structured") else []),
         "## Memory", "", _memory(report), "",
         "## Peers", "", _peers(report), "",
         "## Stability", "", _stability(report), "",

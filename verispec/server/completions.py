@@ -157,7 +157,8 @@ def _constraint(body: CompletionRequest | ChatCompletionRequest, tools: ToolSpec
         raise APIError(400, str(e), param=param) from None
 
 
-def _params(body: CompletionRequest | ChatCompletionRequest, max_tokens: int, seed: int | None) -> SamplingParams:
+def _params(body: CompletionRequest | ChatCompletionRequest, max_tokens: int, seed: int | None,
+            vocab: int) -> SamplingParams:
     logprobs = None
     if isinstance(body, ChatCompletionRequest) and body.logprobs:
         logprobs = body.top_logprobs or 0
@@ -165,8 +166,8 @@ def _params(body: CompletionRequest | ChatCompletionRequest, max_tokens: int, se
         logprobs = body.logprobs
     bias = {}
     for key, value in (body.logit_bias or {}).items():
-        if not key.lstrip("-").isdigit():
-            raise APIError(400, f"logit_bias keys are token ids, not {key!r}", param="logit_bias")
+        if not key.isdigit() or int(key) >= vocab:
+            raise APIError(400, f"logit_bias keys are token ids below {vocab}, not {key!r}", param="logit_bias")
         bias[int(key)] = value
     try:
         return SamplingParams(max_tokens=max_tokens, temperature=_temperature(body.temperature),
@@ -185,6 +186,11 @@ async def _prepare(state: ServerState, request: Request, body: CompletionRequest
         raise APIError(404, f"the model '{body.model}' does not exist (this server serves '{config.model_name}')",
                        param="model", code="model_not_found")
     slots = state.worker.stats().get("max_batch", 1)
+    if isinstance(body, ChatCompletionRequest) and body.top_logprobs and not body.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+    if isinstance(body, CompletionRequest) and body.echo and body.logprobs is not None:
+        raise APIError(400, "echo with logprobs is not supported (the prompt's log-probabilities are not computed)",
+                       param="echo")
     if body.n > slots:
         raise APIError(400, f"n is {body.n} but this server runs at most {slots} requests at once (--max-batch)",
                        param="n")
@@ -196,7 +202,7 @@ async def _prepare(state: ServerState, request: Request, body: CompletionRequest
     if isinstance(body, ChatCompletionRequest):
         requested = body.max_completion_tokens or body.max_tokens
         try:
-            tools = parse_tools(body.tools, body.tool_choice)
+            tools = parse_tools(body.tools, body.tool_choice, body.parallel_tool_calls is not False)
         except ToolError as e:
             raise APIError(400, e.message, param=e.param) from None
     else:
@@ -236,7 +242,8 @@ async def _prepare(state: ServerState, request: Request, body: CompletionRequest
             raise APIError(400, f"the prediction could not be tokenized: {e}", param="prediction") from None
     # Choice i has its own seed stream: seed + i (or fresh entropy for each, without a seed).
     gens = tuple(GenRequest(request_id if i == 0 else f"{request_id}-{i}", prompt_ids,
-                            _params(body, max_tokens, None if body.seed is None else (body.seed + i) % (MAX_SEED + 1)),
+                            _params(body, max_tokens, None if body.seed is None else (body.seed + i) % (MAX_SEED + 1),
+                                    state.engine.target.args.vocab_size),
                             spec, prediction, constraint) for i in range(body.n))
     echo = ""
     if isinstance(body, CompletionRequest) and body.echo:
@@ -330,7 +337,7 @@ def _choice(call: _Call, index: int, result: GenerationResult, tok: Any) -> dict
     if calls:
         message["tool_calls"] = calls
     return {"index": index, "message": message, "logprobs": logprobs,
-            "finish_reason": "tool_calls" if calls else result.finish_reason}
+            "finish_reason": "tool_calls" if calls and result.finish_reason == "stop" else result.finish_reason}
 
 
 async def _last_event(stream: TokenStream) -> FinishedEvent | FailedEvent:
@@ -437,7 +444,8 @@ async def _events(state: ServerState, call: _Call, streams: list[TokenStream]) -
                 return
             for chunk in c.chunks(c.text.finish(result.text or ""), None, final=True):
                 yield sse(chunk)
-            finish = "tool_calls" if c.tools is not None and c.tools.calls else result.finish_reason
+            calls = c.tools is not None and c.tools.calls
+            finish = "tool_calls" if calls and result.finish_reason == "stop" else result.finish_reason
             yield sse(_chunk(call, i, None, finish))
             results[i] = result
     if call.include_usage:

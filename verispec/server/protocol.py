@@ -139,8 +139,6 @@ class CompletionRequest(_GenerationRequest):
 
     @model_validator(mode="after")
     def _single(self) -> CompletionRequest:
-        if self.echo and self.logprobs is not None:
-            raise ValueError("echo with logprobs is not supported (the prompt's log-probabilities are not computed)")
         p = self.prompt
         if isinstance(p, list) and p and isinstance(p[0], str | list) and len(p) != 1:
             raise ValueError("one prompt per request is supported")
@@ -178,13 +176,7 @@ class ChatCompletionRequest(_GenerationRequest):
     top_logprobs: StrictInt | None = Field(None, ge=0, le=20, description="and of this many likeliest (logprobs)")
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: StrictBool | None = None
-
-    @model_validator(mode="after")
-    def _top_needs_logprobs(self) -> ChatCompletionRequest:
-        if self.top_logprobs and not self.logprobs:
-            raise ValueError("top_logprobs needs logprobs: true")
-        return self
+    parallel_tool_calls: StrictBool | None = Field(None, description="false: one tool call at most")
 
 
 # -- responses ---------------------------------------------------------------------------------

@@ -77,6 +77,7 @@ class ToolSpec:
 
     tools: tuple[Tool, ...]
     choice: str
+    parallel: bool = True  # OpenAI's parallel_tool_calls: False allows one call at most
 
     @property
     def names(self) -> frozenset[str]:
@@ -100,7 +101,7 @@ class ToolSpec:
             return None
         tools = [t for t in self.tools if t.name == self.choice] if self.choice != "required" else list(self.tools)
         open_, close = (OPEN, CLOSE) if tags_as_tokens else (json.dumps(OPEN), json.dumps(CLOSE))
-        lines = ["start: call" if self.choice != "required" else 'start: call ("\\n" call)*',
+        lines = ['start: call ("\\n" call)*' if self.choice == "required" and self.parallel else "start: call",
                  f"call: {open_} {json.dumps(CALL_HEAD)} function {json.dumps(CALL_TAIL)} {close}",
                  "function: " + " | ".join(f"fn_{i}" for i in range(len(tools)))]
         for i, tool in enumerate(tools):
@@ -159,7 +160,8 @@ def _parse_tool(i: int, tool: Any) -> Tool:
     return Tool(name, description, parameters)
 
 
-def parse_tools(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, Any] | None) -> ToolSpec | None:
+def parse_tools(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, Any] | None,
+                parallel: bool = True) -> ToolSpec | None:
     """Validate OpenAI's ``tools`` and ``tool_choice``; None when there are no tools (and no choice needing them).
 
     Raises :class:`ToolError` naming the field at fault: a tool not of the ``{"type": "function", "function":
@@ -188,7 +190,7 @@ def parse_tools(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str,
     if named and choice in CHOICES:
         raise ToolError(f"a function named {choice!r} cannot be forced: use tool_choice \"required\"",
                         "tool_choice")
-    return ToolSpec(tuple(parsed), choice)
+    return ToolSpec(tuple(parsed), choice, parallel)
 
 
 def _parse_choice(tool_choice: str | dict[str, Any] | None) -> str | None:
@@ -319,7 +321,7 @@ def parse_tool_calls(text: str, spec: ToolSpec) -> tuple[str | None, list[dict[s
     last, after_call = 0, False
     for m in _BLOCK_RE.finditer(text):
         between = text[last:m.start()]
-        function = _parse_block(m.group(1), spec)
+        function = _parse_block(m.group(1), spec) if spec.parallel or not calls else None
         if function is None:
             pieces.append(between + m.group(0))
             after_call = False
@@ -409,7 +411,7 @@ class ToolCallStream:
                     break
                 inner, self._buf = self._buf[:j], self._buf[j + len(CLOSE):]
                 self._in_block = False
-                function = _parse_block(inner, self.spec)
+                function = _parse_block(inner, self.spec) if self.spec.parallel or not self._count else None
                 if function is None:
                     self._emit(events, OPEN + inner + CLOSE)
                     continue
