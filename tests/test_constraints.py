@@ -184,17 +184,28 @@ def chat_engine(chat_pair) -> Engine:
     return engine
 
 
+@pytest.fixture(scope="module")
+def store(chat_engine, tmp_path_factory) -> str:
+    """A retrieval datastore of word sequences the regex allows, in the chat engine's vocabulary."""
+    from verispec.drafters.retrieval import build_datastore
+
+    root = tmp_path_factory.mktemp("constraint_store")
+    (root / "corpus.txt").write_text("the cat is in the dog of x\nthe dog and the cat to y\nx = 1 , y = 2\n" * 4)
+    build_datastore([root / "corpus.txt"], chat_engine.tokenizer, root / "ds", progress=False)
+    return str(root / "ds")
+
+
 @pytest.mark.parametrize("sampling", [dict(), dict(presence_penalty=0.5, frequency_penalty=1.0, logit_bias={7: 2.0})],
                          ids=["grammar", "grammar+penalties"])
-def test_greedy_constrained_speculation_equals_constrained_plain(chat_engine, sampling):
+def test_greedy_constrained_speculation_equals_constrained_plain(chat_engine, store, sampling):
     c = Constraint.regex(WORDS_REGEX)
     prompts = ["write code about the cat", "translate the dog to x", "what is 1 + 2 ?"]
     params = SamplingParams(max_tokens=40, logprobs=3, **sampling)
     plain = chat_engine.generate(prompts, params, chat=True, constraint=c)
     unconstrained = chat_engine.generate(prompts, params, chat=True)
     assert [r.token_ids for r in plain] != [r.token_ids for r in unconstrained]  # the constraint matters here
-    for method in METHODS:
-        spec = SpecConfig(method=method, k=4, k_policy="fixed")
+    for method in [*METHODS, "retrieval"]:
+        spec = SpecConfig(method=method, k=4, k_policy="fixed", datastore=store if method == "retrieval" else None)
         spec_out = chat_engine.generate(prompts, params, spec, chat=True, constraint=c)
         for a, b in zip(plain, spec_out, strict=True):
             assert b.token_ids == a.token_ids, method
@@ -248,3 +259,29 @@ def test_logit_bias_outside_the_vocabulary_is_refused_at_submit(engine):
         engine.submit(PROMPT, SamplingParams(logit_bias={12: 1.0}))
     with pytest.raises(VerispecError, match="Constraint"):
         engine.submit(PROMPT, constraint="(ab)")
+
+
+# -- n choices: rows of one batch, each its own seed stream -------------------------------------------------------
+
+def draw_pairs(engine: Engine, seeds: list[tuple[int, int]], spec: SpecConfig) -> np.ndarray:
+    """Counts of (choice 0's first token, choice 1's first token) over batched pairs of requests."""
+    vocab = engine.target.args.vocab_size
+    counts = np.zeros((vocab, vocab), dtype=np.int64)
+    for s0, s1 in seeds:
+        params = [SamplingParams(max_tokens=spec.k + 1, temperature=1.0, ignore_eos=True, seed=s) for s in (s0, s1)]
+        a, b = engine.generate([PROMPT, PROMPT], params, spec)
+        counts[a.token_ids[0], b.token_ids[0]] += 1
+    return counts
+
+
+def test_n_choices_are_independent_draws_of_the_target(engine, small_vocab_target):
+    # Choice i of a request has its own seed stream (the server's seed + i): two choices run as rows of one
+    # batch are independent draws, so their first tokens are distributed as p x p. The negative control gives
+    # both rows one seed, as a shared stream would: its pairs fall on the diagonal and the test must fail.
+    p1 = torch.softmax(last_logits(small_vocab_target.model, [PROMPT])[0], -1).double().numpy()
+    joint = np.outer(p1, p1)
+    spec = SpecConfig(k_policy="fixed", method="draft", k=2)
+    counts = draw_pairs(engine, [(2 * i, 2 * i + 1) for i in range(1500)], spec)
+    assert gof_pvalue(counts, joint) > ALPHA
+    shared = draw_pairs(engine, [(i, i) for i in range(600)], spec)
+    assert np.trace(shared) == 600 and gof_pvalue(shared, joint) < ALPHA

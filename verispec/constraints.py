@@ -9,8 +9,8 @@ processed draft distribution it really drew from). Verification compares process
 output is the processed target's, token for token under greedy and in distribution under sampling.
 
 Grammar matching uses llguidance (one :class:`GrammarTokenizer` per tokenizer, one matcher per
-request). A matcher walks the output as it grows and, for a step, the draft paths ahead of it, rolled
-back afterwards. A draft token the grammar refuses is never scored past: a deterministic draft (a
+request). A request's matcher only ever moves forward with the output; a step's draft paths are walked on
+copies of it. A draft token the grammar refuses is never scored past: a deterministic draft (a
 lookup) is cut before it; a sampled draft keeps it, since cutting would make the position's outcome
 depend on which way its own draw fell: verification rejects it (p = 0) and draws from the residual.
 """
@@ -241,18 +241,29 @@ class RowLogits:
         return torch.from_numpy(unpacked[:, : self.vocab_size]).bool()
 
     def _masks(self, paths: list[list[int]]) -> torch.Tensor:
-        """The grammar's bitmask ``[n, ceil(V / 32)]`` after each path (all ones for a refused path)."""
+        """The grammar's bitmask ``[n, ceil(V / 32)]`` after each path (all ones for a refused path).
+
+        Paths are walked on copies of the matcher (a few microseconds each), never by consuming and rolling
+        back on the request's own: its state only ever moves forward with the output. A chain's paths extend
+        one another, so one copy walks them all.
+        """
         from llguidance.torch import fill_next_token_bitmask
 
-        m = self.matcher
         bits = torch.full((len(paths), (self.vocab_size + 31) // 32), -1, dtype=torch.int32)
+        walker, walked, refused = None, [], False
         for i, path in enumerate(paths):
-            if not path and self._now is not None and self._now[0] == self._seen:
-                bits[i] = self._now[1]
+            if not path:
+                if self._now is not None and self._now[0] == self._seen:
+                    bits[i] = self._now[1]
+                else:
+                    fill_next_token_bitmask(self.matcher, bits, i)
                 continue
-            taken = m.try_consume_tokens(path) if path else 0
-            if taken == len(path):
-                fill_next_token_bitmask(m, bits, i)
-            if taken:
-                m.rollback(taken)
+            if walker is None or path[: len(walked)] != walked or refused:
+                walker, walked, refused = self.matcher.deep_copy(), [], False
+            rest = path[len(walked):]
+            taken = walker.try_consume_tokens(rest)
+            walked = walked + rest[:taken]
+            refused = taken < len(rest)
+            if not refused:
+                fill_next_token_bitmask(walker, bits, i)
         return bits
