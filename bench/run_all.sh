@@ -55,7 +55,7 @@ for step in $STEPS; do
     structured)   # structured outputs: the packaged json_extract requests (extraction with a JSON schema each),
                   # answers constrained to their schema against unconstrained, plain and under the defaults, with
                   # schema validity and the constraint's time per token (no setting was tuned on these prompts)
-      $V bench "${INT4_PAIR[@]}" --methods none,none:constrain=1,hybrid,hybrid:constrain=1 --dataset json_extract \
+      $V bench "${INT4_PAIR[@]}" --methods none,none:constrain=1,hybrid,hybrid:constrain=1 --dataset json_extract --n 30 \
         --max-tokens 512 --repeats 1 --no-progress --out "$D" ;;
     processing)   # what penalties and logprobs cost plain decoding (report split, Spec-Bench seed 1), 2 repeats
       $V bench "${INT4_PAIR[@]}" --methods none,none:presence_penalty=0.5,frequency_penalty=0.5,none:logprobs=5 \

@@ -654,7 +654,7 @@ SECTIONS: list[Section] = [
             ablation_section, ablation_headline, "report.md", own=True),
     Section("structured", "Structured outputs: answers constrained to a JSON schema",
             "The int4 pair on the packaged `json_extract` requests (38 extraction requests written for verispec, "
-            "each with its JSON schema: nested objects, arrays, enums), answers up to 512 tokens: plain decoding and "
+            "each with its JSON schema: nested objects, arrays, enums; the first 30), answers up to 512 tokens: plain decoding and "
             "verispec's defaults, each unconstrained and constrained to the request's schema (`constrain=1`, what a "
             "client's `response_format` asks for). Nothing was tuned on these prompts. The grammar engines' mask "
             "times on Qwen's 151,936-token vocabulary follow (`python -m verispec.bench.grammar_engines`, with "
