@@ -56,7 +56,9 @@ for step in $STEPS; do
                   # answers constrained to their schema against unconstrained, plain and under the defaults, with
                   # schema validity and the constraint's time per token (no setting was tuned on these prompts)
       $V bench "${INT4_PAIR[@]}" --methods none,none:constrain=1,hybrid,hybrid:constrain=1 --dataset json_extract --n 30 \
-        --max-tokens 512 --repeats 1 --no-progress --out "$D" ;;
+        --max-tokens 512 --repeats 1 --no-progress --out "$D"
+      # the grammar engines' mask time per token (xgrammar and outlines-core measured where installed beside)
+      $PY -m verispec.bench.grammar_engines --out "$D/engines" ;;
     processing)   # what penalties and logprobs cost plain decoding (report split, Spec-Bench seed 1), 2 repeats
       $V bench "${INT4_PAIR[@]}" --methods none,none:presence_penalty=0.5,frequency_penalty=0.5,none:logprobs=5 \
         --dataset spec_bench --per-category 1 --seed 1 --max-tokens 128 --repeats 2 --no-progress --out "$D" ;;
