@@ -32,10 +32,11 @@ from typing import Any
 import torch
 
 from verispec.config import PLAIN, EngineConfig, SpecConfig
-from verispec.constraints import Constraint, GrammarTokenizer, RowLogits, processes
+from verispec.constraints import Constraint
 from verispec.drafters import CustomDrafter, DrafterPool, make_drafter, own_drafter
 from verispec.drafters.base import DraftContext, Drafter
 from verispec.drafters.vocab import special_token_ids
+from verispec.engine import loading
 from verispec.engine.compiled import compile_model
 from verispec.engine.costs import PROFILE_K, CostModel, profile_costs
 from verispec.engine.draft_runner import DraftRunner
@@ -51,7 +52,6 @@ from verispec.engine.step import StepReport, speculative_step
 from verispec.engine.stopping import StepTokens, append_tokens, final_text
 from verispec.errors import VerispecError
 from verispec.log import logger
-from verispec.models.linear import matmul_kernels
 from verispec.models.llama import Transformer
 from verispec.sampling import SamplingParams
 
@@ -80,7 +80,7 @@ class Engine:
             check_tokenizers_match(tokenizer, draft_tokenizer, target.args.vocab_size, draft.args.vocab_size)
         size = Sizing.of(config, target, draft)
         self.max_len = size.max_len
-        self.codec = Codec(tokenizer, target.args.vocab_size, self.max_len)
+        self.codec = Codec(tokenizer, target.args.vocab_size, self.max_len, frozenset(self.eos_ids))
         self.cache = target.new_cache(size.slots, size.cache_len)
         if config.compile:  # static shapes: every step covers all slots, scored tokens padded to buckets
             compile_model(target, size.cache_len, warmup=tuple(range(1, config.compile_k + 2)), batch=size.slots)
@@ -102,7 +102,6 @@ class Engine:
         self._by_handle: dict[RequestHandle, Request] = {}  # every request not finished yet
         self._ids = itertools.count()
         self._failed: BaseException | None = None
-        self._grammar_tokenizer: GrammarTokenizer | None = None  # built on the first constraint
         logger.info("engine: %d slot%s of %d tokens, KV budget %d tokens (%.1f MiB of caches)", size.slots,
                     "s" if size.slots > 1 else "", self.max_len, size.budget,
                     (self.cache.nbytes() + (self.draft_runner.cache.nbytes() if self.draft_runner else 0)) / 2**20)
@@ -130,26 +129,11 @@ class Engine:
         return Engine(config, self.target, self.tokenizer, self.eos_ids, self.draft, self.draft_tokenizer, costs)
 
     def describe(self, spec: SpecConfig | None = None) -> dict[str, Any]:
-        """The configuration a request with ``spec`` (None: plain decoding) runs, every value resolved.
-
-        Models and their weight formats as loaded (``draft`` and ``draft_weights`` None without a
-        draft model), the target's compute dtype, the speculation settings (``confidence`` is the
-        threshold in force, 0 when off; ``draft_vocab`` / ``draft_window`` None when off) and
-        ``kernels``: which matmuls the projections run, ``"verispec"`` (:mod:`verispec.kernels`),
-        ``"stock"`` (PyTorch's) or ``"mixed"``.
-        """
-        spec = spec or PLAIN
-        has_draft = self.draft is not None
-        return {"model": self.config.model, "draft": self.config.draft if has_draft else None,
-                "weights": self.config.weights, "draft_weights": self.config.draft_weights if has_draft else None,
-                "dtype": str(self.target.dtype).removeprefix("torch."), "method": spec.method,
-                "k_policy": spec.k_policy, "k": spec.k, "confidence": spec.min_confidence,
-                "draft_vocab": spec.draft_vocab, "draft_window": spec.draft_window,
-                "kernels": matmul_kernels(self.target, self.draft)}
+        """The configuration a request with ``spec`` (None: plain) runs (:func:`~verispec.engine.loading.describe`)."""
+        return loading.describe(self.config, self.target, self.draft, spec or PLAIN)
 
     def encode(self, prompt: Prompt, chat: bool = False, tools: list[dict] | None = None) -> list[int]:
-        """Token ids of a prompt: a string, a list of ids, or chat messages (``chat=True`` for a string);
-        ``tools`` (OpenAI's function definitions) are rendered by the chat template."""
+        """Token ids of a prompt: a string, ids, or chat messages (rendered with OpenAI ``tools``, if given)."""
         return self.codec.encode(prompt, chat, tools)
 
     def decode(self, ids: list[int]) -> str | None:
@@ -220,7 +204,7 @@ class Engine:
         ids = self.encode(prompt, chat)
         predicted = self.encode_prediction(prediction)
         self._check_request(ids, params, spec, drafter)
-        processor = self._processor(params, len(ids), constraint)
+        processor = self.codec.processor(params, len(ids), constraint, self.target.device)
         handle = RequestHandle(self, next(self._ids), ids)
         req = Request(ids, params, spec, handle, on_tokens, Metrics(requests=1, prompt_tokens=len(ids)),
                       own_drafter=drafter and own_drafter(drafter), prediction=predicted, processor=processor,
@@ -228,27 +212,6 @@ class Engine:
         self.scheduler.submit(req, self._reserve(ids, params))
         self._by_handle[handle] = req
         return handle
-
-    def _processor(self, params: SamplingParams, prompt_len: int, constraint: Constraint | None) -> RowLogits | None:
-        """The request's logits processing, or None where it changes nothing."""
-        vocab = self.target.args.vocab_size
-        if any(t >= vocab for t, _ in params.logit_bias):
-            raise VerispecError(f"logit_bias names a token id outside the vocabulary (0..{vocab - 1})")
-        if constraint is not None and not isinstance(constraint, Constraint):
-            raise VerispecError(f"constraint must be a Constraint, not {type(constraint).__name__}")
-        if constraint is None and not processes(params):
-            return None
-        matcher = None if constraint is None else self.grammar_tokenizer().matcher(constraint)
-        return RowLogits(params, prompt_len, vocab, matcher, self.target.device)
-
-    def grammar_tokenizer(self) -> GrammarTokenizer:
-        """The tokenizer as constraints see it, built on first use (about a second for a 150k vocabulary)."""
-        if self.tokenizer is None:
-            raise VerispecError("a constraint needs a tokenizer")
-        if self._grammar_tokenizer is None:
-            self._grammar_tokenizer = GrammarTokenizer(self.tokenizer, self.target.args.vocab_size,
-                                                       sorted(self.eos_ids))
-        return self._grammar_tokenizer
 
     def _reserve(self, ids: list[int], params: SamplingParams) -> int:
         # A request never holds more than its slot: one whose max_tokens runs past the context ends

@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
 from verispec import hub
 from verispec.config import K_MAX, PLAIN, EngineConfig, SpecConfig, resolve_dtype
-from verispec.constraints import Constraint
+from verispec.constraints import Constraint, GrammarTokenizer, RowLogits, processes
 from verispec.engine.draft_runner import MAX_LOCKSTEP_FEED
 from verispec.errors import VerispecError
 from verispec.log import logger
+from verispec.models.linear import matmul_kernels
 from verispec.models.llama import Transformer
 from verispec.models.loader import build_model, load_tokenizer, open_source, resolve_weights
 from verispec.sampling import SamplingParams
@@ -158,6 +159,28 @@ class Codec:
     tokenizer: Any | None
     vocab_size: int
     max_len: int
+    eos_ids: frozenset[int] = frozenset()
+    _grammar: GrammarTokenizer | None = field(default=None, init=False, repr=False)
+
+    def grammar_tokenizer(self) -> GrammarTokenizer:
+        """The tokenizer as constraints see it, built on first use (a few seconds for a 150k vocabulary)."""
+        if self.tokenizer is None:
+            raise VerispecError("a constraint needs a tokenizer")
+        if self._grammar is None:
+            self._grammar = GrammarTokenizer(self.tokenizer, self.vocab_size, sorted(self.eos_ids))
+        return self._grammar
+
+    def processor(self, params: SamplingParams, prompt_len: int, constraint: Constraint | None,
+                  device: torch.device | str = "cpu") -> RowLogits | None:
+        """A request's logits processing (penalties, logit bias, its constraint), or None where it changes nothing."""
+        if any(t >= self.vocab_size for t, _ in params.logit_bias):
+            raise VerispecError(f"logit_bias names a token id outside the vocabulary (0..{self.vocab_size - 1})")
+        if constraint is not None and not isinstance(constraint, Constraint):
+            raise VerispecError(f"constraint must be a Constraint, not {type(constraint).__name__}")
+        if constraint is None and not processes(params):
+            return None
+        matcher = None if constraint is None else self.grammar_tokenizer().matcher(constraint)
+        return RowLogits(params, prompt_len, self.vocab_size, matcher, device)
 
     def encode(self, prompt: Prompt, chat: bool = False, tools: list[dict] | None = None) -> list[int]:
         """Token ids of a prompt: a string, a list of ids, or chat messages (``chat=True`` for a string)."""
@@ -211,3 +234,21 @@ class Codec:
         if any(not 0 <= t < self.vocab_size for t in ids):
             raise VerispecError(f"{what} must be in [0, {self.vocab_size})")
         return list(ids)
+
+
+def describe(config: EngineConfig, target: Transformer, draft: Transformer | None, spec: SpecConfig) -> dict[str, Any]:
+    """The configuration a request with ``spec`` runs on these models, every value resolved.
+
+    Models and their weight formats as loaded (``draft`` and ``draft_weights`` None without a
+    draft model), the target's compute dtype, the speculation settings (``confidence`` is the
+    threshold in force, 0 when off; ``draft_vocab`` / ``draft_window`` None when off) and
+    ``kernels``: which matmuls the projections run, ``"verispec"`` (:mod:`verispec.kernels`),
+    ``"stock"`` (PyTorch's) or ``"mixed"``.
+    """
+    has_draft = draft is not None
+    return {"model": config.model, "draft": config.draft if has_draft else None,
+            "weights": config.weights, "draft_weights": config.draft_weights if has_draft else None,
+            "dtype": str(target.dtype).removeprefix("torch."), "method": spec.method,
+            "k_policy": spec.k_policy, "k": spec.k, "confidence": spec.min_confidence,
+            "draft_vocab": spec.draft_vocab, "draft_window": spec.draft_window,
+            "kernels": matmul_kernels(target, draft)}

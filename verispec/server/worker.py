@@ -205,7 +205,7 @@ class EngineWorker:
             self.engine.profile(k_max)
         if self.engine.tokenizer is not None:
             try:
-                self.engine.grammar_tokenizer()
+                self.engine.codec.grammar_tokenizer()
             except VerispecError as e:  # the server still serves; constrained requests get this error
                 logger.warning("structured outputs are unavailable: %s", e)
 
