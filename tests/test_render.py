@@ -134,6 +134,7 @@ def test_steps_rerun_through_verispec_bench_render_from_their_report_json(tmp_pa
     or one per subfolder as concurrency's client levels) it renders as a bench report, here or on another host."""
     root = tmp_path / "results"
     shutil.copytree(RESULTS / "int4_long", root / "int4_long")
+    shutil.copytree(RESULTS / "report", root / "report")  # README's table: its host is the page's
     shutil.copytree(RESULTS / "report", root / "sampling")  # a bench report where sampling_speed.json was
     for part in ("1-4", "8-16"):
         (root / "concurrency" / part).mkdir(parents=True)
@@ -153,3 +154,18 @@ def test_steps_rerun_through_verispec_bench_render_from_their_report_json(tmp_pa
     headline, report = concurrency_step.row(root / "concurrency")
     assert report == "1-4/report.md"
     assert headline.count("`hybrid` at 1 client 1.30x") == 2 and "`hybrid` at 2 clients 1.20x" in headline
+
+
+def test_the_page_host_is_the_host_of_readmes_table(tmp_path: Path) -> None:
+    """A later run on another host of a step outside README's table goes to that host's rows; the page keeps
+    the host of the report split."""
+    root = tmp_path / "results"
+    shutil.copytree(RESULTS / "report", root / "report")
+    shutil.copytree(RESULTS / "trees", root / "structured")  # another host's run
+    machine = json.loads((root / "structured" / "machine.json").read_text())
+    machine["date"] = "2099-01-01T00:00:00"
+    (root / "structured" / "machine.json").write_text(json.dumps(machine))
+    page = render.results_page(root, tmp_path)
+    report_host = render.host(render.step_machine(root / "report"))
+    assert report_host in page.split("## Contents")[0]
+    assert "## The report split" in page and "(`structured`) | 2099-01-01" in page
