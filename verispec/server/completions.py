@@ -128,8 +128,9 @@ def _encode(state: ServerState, body: CompletionRequest | ChatCompletionRequest,
 
 def _constraint(body: CompletionRequest | ChatCompletionRequest, tools: ToolSpec | None) -> Constraint | None:
     """The grammar a request's output follows: its tool choice's, its response_format's or its structured_outputs'."""
+    grammar = tools.grammar() if tools is not None else None
     try:
-        if tools is not None and (grammar := tools.grammar()) is not None:
+        if grammar is not None:
             return Constraint("llguidance", grammar)
         fmt, so = body.response_format, body.structured_outputs
         if fmt is not None and so is not None and fmt.type != "text":
@@ -152,7 +153,7 @@ def _constraint(body: CompletionRequest | ChatCompletionRequest, tools: ToolSpec
         assert so.grammar is not None
         return Constraint.lark(so.grammar)
     except ConstraintError as e:
-        param = "tool_choice" if tools is not None and tools.grammar() is not None else (
+        param = "tool_choice" if grammar is not None else (
             "response_format" if body.response_format is not None else "structured_outputs")
         raise APIError(400, str(e), param=param) from None
 
