@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
@@ -40,14 +41,15 @@ def save_byte_tokenizer(folder: Path) -> PreTrainedTokenizerFast:
     return fast
 
 
-def make_tiny_pair(root: Path) -> tuple[Path, Path]:
+def make_tiny_pair(root: Path, layers: int = 2, dim: int = 64, max_positions: int | None = None) -> tuple[Path, Path]:
     """A tiny Llama target with a tokenizer and a draft that is the target plus noise (often agrees).
 
     Llama, not Qwen2: for a Qwen2 config transformers swaps in its own Qwen2 tokenizer class,
-    while a Llama config keeps the saved tokenizer as it is.
+    while a Llama config keeps the saved tokenizer as it is. ``max_positions`` raises the models'
+    context (512) for long prompts.
     """
     target, draft = root / "target", root / "draft"
-    shape = dict(arch="llama", vocab=BYTE_VOCAB, layers=2, dim=64, heads=4, kv_heads=2, seed=11)
+    shape = dict(arch="llama", vocab=BYTE_VOCAB, layers=layers, dim=dim, heads=4, kv_heads=2, seed=11)
     ref = make_tiny(target, **shape)
     save_byte_tokenizer(target)
     noisy = make_tiny(draft, **shape)
@@ -57,6 +59,11 @@ def make_tiny_pair(root: Path) -> tuple[Path, Path]:
             p.copy_(r + 0.06 * r.std() * torch.randn(p.shape, generator=gen))
     noisy.save_pretrained(draft)
     save_byte_tokenizer(draft)
+    if max_positions is not None:
+        for folder in (target, draft):
+            config = json.loads((folder / "config.json").read_text())
+            config["max_position_embeddings"] = max_positions
+            (folder / "config.json").write_text(json.dumps(config))
     return target, draft
 
 

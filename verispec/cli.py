@@ -315,12 +315,26 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           read_timeout_s=args.read_timeout, timeout_keep_alive_s=args.timeout_keep_alive,
                           limit_concurrency=args.limit_concurrency or None, allowed_hosts=hosts)
     _no_tp(args)
+    if args.replicas is not None:
+        return _serve_replicas(args, config)
+    if args.ray_address is not None:
+        raise VerispecError("--ray-address needs --replicas N")
     logger.info("loading %s%s", args.model, f" with draft {args.draft}" if args.draft else "")
     # The slots the server asks for, so its worker need not allocate a second set of caches.
     engine = Engine.from_pretrained(args.model, draft=args.draft, max_batch=config.max_batch,
                                     prefix_reuse=config.prefix_reuse, **_engine_kwargs(args))
     interrupted = serve(engine, config, log_level="info" if args.verbose else "warning")
     return 130 if interrupted else 0
+
+
+def _serve_replicas(args: argparse.Namespace, config) -> int:
+    """``serve --replicas N``: a Ray Serve application (imported only here: Ray is an optional extra)."""
+    from verispec.server import replicas  # without Ray: a VerispecError saying how to install the extra
+
+    cfg = replicas.ReplicasConfig(replicas=args.replicas, model=args.model, draft=args.draft, server=config,
+                                  engine=_engine_kwargs(args), ray_address=args.ray_address,
+                                  replica_cpus=args.replica_cpus, threads=args.replica_threads)
+    return 130 if replicas.serve_replicas(cfg, verbose=args.verbose) else 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -405,6 +419,18 @@ def build_parser() -> argparse.ArgumentParser:
                     help="comma-separated Host header names (or *.domain) accepted besides localhost names and "
                     "loopback addresses; * turns the check off (default: checked when --host is loopback, "
                     "not otherwise)")
+    sv.add_argument("--replicas", type=int, metavar="N",
+                    help="run N engines as a Ray Serve application behind one ingress on --host/--port, routed "
+                    "by cached prompt prefix, then user, then load (needs the replicas extra: pip install "
+                    "'verispec[replicas]'; docs/replicas.md)")
+    sv.add_argument("--ray-address", metavar="ADDR",
+                    help="with --replicas: join this Ray cluster (e.g. 10.0.0.1:6379 or auto) instead of starting "
+                    "Ray on this machine")
+    sv.add_argument("--replica-cpus", type=float, default=1.0,
+                    help="with --replicas: CPUs Ray reserves per replica, which places them (default 1; a "
+                    "machine's core count puts one replica per machine)")
+    sv.add_argument("--replica-threads", type=int,
+                    help="with --replicas: torch threads per replica (default: --replica-cpus, at least 1)")
     sv.set_defaults(func=cmd_serve)
 
     d = sub.add_parser("demo", help="speculative vs plain decoding on the real pair: a table and a plot")
