@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -238,26 +239,26 @@ def test_ctrl_c_stops_every_process(pair: tuple[str, str]) -> None:
            "--port", str(port), "--method", "draft", "-k", "4", "--k-policy", "fixed"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)  # type: ignore[arg-type]
+    reader.start()
     try:
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as client:
-            def healthy() -> bool:
-                try:
-                    return client.get("/health").status_code == 200
-                except httpx.HTTPError:
-                    return False
-
-            assert wait_until(healthy, 240), "the replicated server did not become ready"
+        assert wait_until(lambda: any("ready on" in line for line in lines) or proc.poll() is not None, 240), \
+            "the replicated server did not become ready"
+        assert proc.poll() is None, "".join(lines)
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
+            assert client.get("/health").json() == {"status": "ok"}
+            assert len(client.get("/stats").json()["replicas"]) == 2
             r = client.post("/v1/completions", json={"model": pair[0], "prompt": "hi", "max_tokens": 4})
             assert r.status_code == 200
         family = psutil.Process(proc.pid).children(recursive=True)
         assert len(family) >= 4  # Ray's own processes, the proxy, the ingress and the replicas
         proc.send_signal(signal.SIGINT)
-        out, _ = proc.communicate(timeout=120)
-        assert proc.returncode == 130, out
-        assert "ready on" in out
+        assert proc.wait(timeout=120) == 130
         _, alive = psutil.wait_procs(family, timeout=30)
         assert not alive, [p.pid for p in alive]
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        reader.join(10)

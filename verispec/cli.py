@@ -17,6 +17,7 @@ from verispec.errors import VerispecError
 if TYPE_CHECKING:
     from verispec import Engine, GenerationResult, SamplingParams
     from verispec.constraints import Constraint
+    from verispec.server import ServerConfig
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -303,6 +304,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from verispec.log import logger
     from verispec.server import ServerConfig, serve
 
+    if args.replicas is not None:
+        from verispec.server import replicas  # noqa: F401 (without Ray: one line on installing it, before loading)
+    elif args.ray_address is not None:
+        raise VerispecError("--ray-address needs --replicas N")
     # Start-up progress (loading, profiling, "ready on ...") shows without -v; uvicorn's own lines need -v.
     logger.setLevel(logging.INFO)
     # A token in argv is visible to other users (ps); the environment variable is the safer way.
@@ -317,8 +322,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     _no_tp(args)
     if args.replicas is not None:
         return _serve_replicas(args, config)
-    if args.ray_address is not None:
-        raise VerispecError("--ray-address needs --replicas N")
     logger.info("loading %s%s", args.model, f" with draft {args.draft}" if args.draft else "")
     # The slots the server asks for, so its worker need not allocate a second set of caches.
     engine = Engine.from_pretrained(args.model, draft=args.draft, max_batch=config.max_batch,
@@ -327,9 +330,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 130 if interrupted else 0
 
 
-def _serve_replicas(args: argparse.Namespace, config) -> int:
+def _serve_replicas(args: argparse.Namespace, config: ServerConfig) -> int:
     """``serve --replicas N``: a Ray Serve application (imported only here: Ray is an optional extra)."""
-    from verispec.server import replicas  # without Ray: a VerispecError saying how to install the extra
+    from verispec.server import replicas
 
     cfg = replicas.ReplicasConfig(replicas=args.replicas, model=args.model, draft=args.draft, server=config,
                                   engine=_engine_kwargs(args), ray_address=args.ray_address,
