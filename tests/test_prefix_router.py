@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -23,13 +24,21 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_block_hashes_are_chained_over_full_blocks() -> None:
-    a = block_hashes(list(range(40)), 16)
-    assert len(a) == 2  # the trailing 8 tokens make no block
-    b = block_hashes([*range(16), 99, *range(17, 40)], 16)
+    text = "abcdefghij" * 4  # 40 characters
+    a = block_hashes(text, 16)
+    assert len(a) == 2  # the last 8 characters make no block
+    b = block_hashes(text[:16] + "X" + text[17:], 16)
     assert a[0] == b[0] and a[1] != b[1]
-    c = block_hashes([*range(16, 32), *range(16)], 16)
+    c = block_hashes(text[16:32] + text[:16], 16)
     assert c[1] != a[0]  # the same block after another prefix hashes differently
-    assert block_hashes(list(range(40)), 16) == a  # deterministic (ints and tuples are not salted)
+    assert block_hashes("\ud800" * 16, 16)  # a lone surrogate (valid JSON) is hashed, not an error
+
+
+def test_block_hashes_are_the_same_in_every_process() -> None:
+    code = "from verispec.server.prefix_router import block_hashes; print(block_hashes('héllo wörld ' * 20))"
+    runs = {subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True,
+                           env={**os.environ, "PYTHONHASHSEED": seed}).stdout for seed in ("1", "2")}
+    assert runs == {f"{block_hashes('héllo wörld ' * 20)}\n"}
 
 
 def ready_router(n: int, **config: Any) -> PrefixRouter:
@@ -39,35 +48,38 @@ def ready_router(n: int, **config: Any) -> PrefixRouter:
     return router
 
 
+CONVERSATION = "".join(chr(ord("a") + i % 26) for i in range(256))
+
+
 def test_longest_cached_prefix_wins() -> None:
-    router = ready_router(3, block_size=4)
-    conv = list(range(64))
-    h = router.hashes(conv)
+    router = ready_router(3, block_chars=16)
+    h = router.hashes(CONVERSATION)
     router.report(1, load=0, held=h[:4])  # replica 1's cache holds 4 blocks of it
     router.sent(2, h[:10])  # replica 2 was just sent 10 blocks of it
     router.finished(2)
     choice = router.choose(h)
     assert (choice.replica, choice.reason, choice.matched_blocks) == (2, "prefix", 10)
     # A prompt that diverges after 4 blocks matches 4 blocks on both: the less loaded one of them.
-    other = router.hashes([*conv[:16], *range(500, 548)])
+    other = router.hashes(CONVERSATION[:64] + "0123456789" * 10)
     router.sent(2, [])  # one request in flight on 2
     assert router.choose(other).replica == 1
 
 
 def test_user_then_load_when_no_prefix_is_cached() -> None:
-    router = ready_router(3, block_size=4)
+    router = ready_router(3, block_chars=16)
     router.sent(2, [], user="alice")
     router.finished(2)
-    assert router.choose(router.hashes(range(100, 140)), user="alice").reason == "user"
-    assert router.choose(router.hashes(range(100, 140)), user="alice").replica == 2
+    fresh = router.hashes("an unseen prompt, long enough to make blocks")
+    assert router.choose(fresh, user="alice").reason == "user"
+    assert router.choose(fresh, user="alice").replica == 2
     router.report(0, load=3, held=[])
-    choice = router.choose(router.hashes(range(100, 140)), user="bob")
+    choice = router.choose(fresh, user="bob")
     assert (choice.replica, choice.reason) == (1, "load")
 
 
 def test_affinity_yields_to_load_past_the_imbalance() -> None:
-    router = ready_router(2, block_size=4, max_imbalance=2)
-    h = router.hashes(range(64))
+    router = ready_router(2, block_chars=16, max_imbalance=2)
+    h = router.hashes(CONVERSATION)
     router.report(0, load=2, held=h)
     assert router.choose(h).replica == 0  # 2 busier than replica 1: within the bound
     router.report(0, load=3, held=h)
@@ -75,8 +87,8 @@ def test_affinity_yields_to_load_past_the_imbalance() -> None:
 
 
 def test_a_replica_taken_out_is_skipped_and_forgotten() -> None:
-    router = ready_router(2, block_size=4)
-    h = router.hashes(range(64))
+    router = ready_router(2, block_chars=16)
+    h = router.hashes(CONVERSATION)
     router.sent(0, h, user="alice")
     router.mark_down(0)
     assert router.healthy() == [1]
@@ -86,7 +98,7 @@ def test_a_replica_taken_out_is_skipped_and_forgotten() -> None:
     assert router.matched(0, h) == 0
 
 
-@pytest.mark.parametrize("bad", [dict(block_size=0), dict(min_match_blocks=0), dict(max_imbalance=-1),
+@pytest.mark.parametrize("bad", [dict(block_chars=0), dict(min_match_blocks=0), dict(max_imbalance=-1),
                                  dict(max_users=0)])
 def test_router_config_is_validated(bad: dict[str, int]) -> None:
     with pytest.raises(VerispecError):

@@ -1,8 +1,8 @@
 """The ingress of a replicated server: one OpenAI-compatible front that routes each request to a replica.
 
 The ingress owns no engine. It routes ``/v1/completions`` and ``/v1/chat/completions`` with the
-:class:`~verispec.server.prefix_router.PrefixRouter` (the prompt is tokenized here only to hash its
-blocks) and forwards every request to a replica's copy of the single-engine app (see
+:class:`~verispec.server.prefix_router.PrefixRouter` (the prompt's text is rendered here, through the
+chat template, only to hash its blocks) and forwards every request to a replica's copy of the single-engine app (see
 :mod:`verispec.server.replica_host`), so answers, errors and streams are that app's, byte for byte.
 It answers ``/health``, ``/metrics``, ``/stats`` and ``/dashboard`` for the replicas together, and
 sends ``/admin/*`` to every replica. It reaches replicas only through a :class:`Fleet`, so nothing
@@ -45,9 +45,11 @@ from verispec.server.streaming import sse, wait_for_disconnect
 REPLICA_HEADER = "x-verispec-replica"
 _DECISIONS = (*REASONS, "pinned")
 _GENERATION = {"/v1/completions": "completion", "/v1/chat/completions": "chat"}
+_INLINE_BODY = 256 * 1024  # request bodies rendered on the event loop; larger ones on a thread
 _OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1)
 
-Encoder = Callable[[str, dict[str, Any]], list[int] | None]  # (kind, request body) -> prompt ids, or None
+# (kind, request body) -> the prompt's text as the model reads it, or None when it cannot be rendered
+PromptText = Callable[[str, dict[str, Any]], str | None]
 
 
 class ReplicaGone(Exception):
@@ -96,9 +98,9 @@ Outcome = Literal["done", "retry"]
 class Ingress:
     """The ingress's ASGI application (:attr:`asgi`, with today's body limit and Host check in front)."""
 
-    def __init__(self, fleet: Fleet, server: ServerConfig, encode: Encoder | None = None,
+    def __init__(self, fleet: Fleet, server: ServerConfig, prompt_text: PromptText | None = None,
                  config: IngressConfig | None = None) -> None:
-        self.fleet, self.server, self.encode = fleet, server, encode
+        self.fleet, self.server, self.prompt_text = fleet, server, prompt_text
         self.config = config or IngressConfig()
         self.router = PrefixRouter(fleet.size, self.config.router)
         self.reports: list[dict[str, Any]] = [{"state": "loading"} for _ in range(fleet.size)]
@@ -118,7 +120,7 @@ class Ingress:
         self._m_retries = Counter("verispec:router_retries", "Requests retried on another replica after theirs "
                                   "failed before answering.", registry=r)
         self._m_overhead = Histogram("verispec:router_overhead_seconds", "The ingress's routing time per request: "
-                                     "parsing, tokenizing and hashing the prompt, choosing the replica.",
+                                     "parsing the body, rendering and hashing the prompt, choosing the replica.",
                                      buckets=_OVERHEAD_BUCKETS, registry=r)
         self._m_healthy = Gauge("verispec:replicas_ready", "Replicas taking requests.", registry=r)
         for reason in _DECISIONS:
@@ -228,16 +230,21 @@ class Ingress:
             parsed = None  # the replica answers the 400
         if isinstance(parsed, dict):
             user = parsed.get("user") if isinstance(parsed.get("user"), str) else None
-            if self.encode is not None:
-                ids = await asyncio.to_thread(self._encode_quietly, kind, parsed)
-                hashes = self.router.hashes(ids) if ids else []
+            if self.prompt_text is not None:
+                # Rendering takes well under a millisecond for prompts of thousands of tokens; only a huge
+                # body goes to a thread, where it cannot hold up the event loop.
+                if len(body) < _INLINE_BODY:
+                    text = self._render(kind, parsed)
+                else:
+                    text = await asyncio.to_thread(self._render, kind, parsed)
+                hashes = self.router.hashes(text) if text else []
         await self._route(scope, receive, send, hashes, user, body=body, t0=t0)
 
-    def _encode_quietly(self, kind: str, body: dict[str, Any]) -> list[int] | None:
-        assert self.encode is not None
+    def _render(self, kind: str, body: dict[str, Any]) -> str | None:
+        assert self.prompt_text is not None
         try:
-            return self.encode(kind, body)
-        except Exception:  # noqa: BLE001 (an untokenizable prompt is the replica's 400 to answer; route by load)
+            return self.prompt_text(kind, body)
+        except Exception:  # noqa: BLE001 (a prompt that cannot be rendered is the replica's 400; route by load)
             return None
 
     async def _route(self, scope: Scope, receive: Receive, send: Send, hashes: Sequence[int], user: str | None,
@@ -414,7 +421,7 @@ class Ingress:
                           "waiting": sum(b.get("waiting", 0) for b in batch)},
                 "replicas": replicas,
                 "router": {"decisions": {reason: self.decisions[reason] for reason in _DECISIONS},
-                           "retries": self.retries, "block_size": self.config.router.block_size,
+                           "retries": self.retries, "block_chars": self.config.router.block_chars,
                            "overhead_p50_s": percentile(overheads, 0.5),
                            "overhead_p99_s": percentile(overheads, 0.99), "overhead_samples": len(overheads)}}
 
@@ -480,27 +487,27 @@ async def _json(send: Send, status: int, obj: Any, headers: Sequence[tuple[bytes
     await _respond(send, status, json.dumps(obj).encode(), b"application/json", headers)
 
 
-def tokenizer_encoder(tokenizer: Any) -> Encoder:
-    """An :data:`Encoder` that tokenizes prompts as the replicas' engines do (chat through the template)."""
+def tokenizer_prompt_text(tokenizer: Any) -> PromptText:
+    """A :data:`PromptText` for the replicas' model: the text their engines tokenize (chat through the
+    template; a completion's prompt after the BOS token's text where the tokenizer adds one)."""
     from verispec.server.tools import template_messages
 
-    def encode(kind: str, body: dict[str, Any]) -> list[int] | None:
+    bos = tokenizer.decode(tokenizer.encode("", add_special_tokens=True), skip_special_tokens=False)
+
+    def text(kind: str, body: dict[str, Any]) -> str | None:
         if kind == "chat":
             messages = body.get("messages")
             if not isinstance(messages, list) or not tokenizer.chat_template:
                 return None
-            ids = tokenizer.apply_chat_template(template_messages(messages), add_generation_prompt=True,
-                                                tokenize=True)
-            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-                ids = ids["input_ids"]
-            return list(ids)
+            return tokenizer.apply_chat_template(template_messages(messages), add_generation_prompt=True,
+                                                 tokenize=False)
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1:
             prompt = prompt[0]
         if isinstance(prompt, str):
-            return list(tokenizer.encode(prompt, add_special_tokens=True))
+            return bos + prompt
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-            return list(prompt)
+            return tokenizer.decode(prompt, skip_special_tokens=False)
         return None
 
-    return encode
+    return text

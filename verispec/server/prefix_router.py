@@ -1,15 +1,20 @@
 """Which replica serves a request: the longest cached prompt prefix, else the same user, else the least loaded.
 
-A prompt is cut into blocks of ``block_size`` token ids and each full block gets a chained hash (the
-hash of the previous block's hash and this block's ids), as the vLLM and SGLang routers do: block i's
-hash names the whole prefix up to block i, so "replica r holds block i's hash" means r has seen that
-entire prefix, and the longest cached prefix is the last of the prompt's hashes found in r's table.
+A prompt is matched as its text as the model reads it (the chat template rendered, a BOS token's text
+in front where the tokenizer adds one), cut into blocks of ``block_chars`` characters; each full block
+gets a chained hash (of the previous block's hash and this block), as the vLLM and SGLang routers do
+with their blocks: block i's hash names the whole prefix up to block i, so "replica r holds block i's
+hash" means r has seen that entire prefix, and the longest cached prefix is the last of the prompt's
+hashes found in r's table. Text, not token ids, because tokenizing a prompt of a few thousand tokens
+at the router costs several milliseconds (docs/replicas.md), more than the router's whole budget;
+rendering the template and hashing text costs a fraction of one. A replica decodes the token ids its
+cache rows hold back to text (lossless for byte-level tokenizers) and hashes them the same way; the
+hash is BLAKE2b, the same in every process (Python's own string hash is salted per process).
 
 A replica's table is what it last reported its cache rows hold (:meth:`PrefixRouter.report`, which
 replaces the table: rows evicted since are forgotten) plus what the router sent it since
 (:meth:`PrefixRouter.sent`, so a follow-up that arrives before the next report still finds its
-prefix). Python hashes tuples of ints the same way in every process (no hash randomization for
-them), so a replica can hash its own token ids and the router's tables agree.
+prefix).
 
 Affinity never overrides load without bound: a replica is chosen for its prefix or its user only while
 its load (running + waiting requests) is at most ``max_imbalance`` above the least loaded replica's.
@@ -21,6 +26,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from hashlib import blake2b
 from typing import Literal
 
 from verispec.errors import VerispecError
@@ -29,13 +35,13 @@ Reason = Literal["prefix", "user", "load", "pinned"]  # "pinned": the request na
 REASONS: tuple[Reason, ...] = ("prefix", "user", "load")
 
 
-def block_hashes(ids: Sequence[int], block_size: int = 16) -> list[int]:
-    """The chained hashes of ``ids``' full blocks of ``block_size`` tokens (a trailing partial block has none)."""
+def block_hashes(text: str, block_chars: int = 64) -> list[int]:
+    """The chained hashes of ``text``'s full blocks of ``block_chars`` characters (a partial last block has none)."""
     out: list[int] = []
-    h = 0
-    for start in range(0, len(ids) - block_size + 1, block_size):
-        h = hash((h, tuple(ids[start:start + block_size])))
-        out.append(h)
+    h = b""
+    for start in range(0, len(text) - block_chars + 1, block_chars):
+        h = blake2b(h + text[start:start + block_chars].encode("utf-8", "surrogatepass"), digest_size=8).digest()
+        out.append(int.from_bytes(h, "little"))
     return out
 
 
@@ -43,21 +49,22 @@ def block_hashes(ids: Sequence[int], block_size: int = 16) -> list[int]:
 class RouterConfig:
     """How the prefix router decides.
 
-    ``block_size`` tokens make a hashed block; a prefix counts once it matches ``min_match_blocks``
-    blocks. ``max_imbalance`` bounds how much busier than the least loaded replica an affine one may
-    be. ``max_sent_blocks`` caps the hashes remembered per replica from routing (least recently sent
-    forgotten first) and ``max_users`` the users remembered.
+    ``block_chars`` characters make a hashed block (64: about 16 tokens of English or code); a
+    prefix counts once it matches ``min_match_blocks`` blocks. ``max_imbalance`` bounds how much
+    busier than the least loaded replica an affine one may be. ``max_sent_blocks`` caps the hashes
+    remembered per replica from routing (least recently sent forgotten first) and ``max_users`` the
+    users remembered.
     """
 
-    block_size: int = 16
+    block_chars: int = 64
     min_match_blocks: int = 1
     max_imbalance: int = 4
     max_sent_blocks: int = 200_000
     max_users: int = 100_000
 
     def __post_init__(self) -> None:
-        if self.block_size < 1:
-            raise VerispecError(f"block_size must be at least 1 (got {self.block_size!r})")
+        if self.block_chars < 1:
+            raise VerispecError(f"block_chars must be at least 1 (got {self.block_chars!r})")
         if self.min_match_blocks < 1:
             raise VerispecError(f"min_match_blocks must be at least 1 (got {self.min_match_blocks!r})")
         if self.max_imbalance < 0:
@@ -112,8 +119,9 @@ class PrefixRouter:
     def load(self, replica: int) -> int:
         return self._replicas[replica].load
 
-    def hashes(self, ids: Sequence[int]) -> list[int]:
-        return block_hashes(ids, self.config.block_size)
+    def hashes(self, text: str) -> list[int]:
+        """The block hashes of a prompt's text."""
+        return block_hashes(text, self.config.block_chars)
 
     def matched(self, replica: int, hashes: Sequence[int]) -> int:
         """How many leading blocks of a prompt with ``hashes`` ``replica`` holds."""

@@ -7,8 +7,8 @@ the app's ASGI response messages as they are sent, so a stream stays a stream. C
 early (the client left, the ingress cancelled) tells the app that the client disconnected, which
 cancels the request in the worker exactly as a dropped connection does on a single server.
 
-:meth:`ReplicaHost.report` is what the router and the aggregated ``/stats`` and ``/metrics`` read: load,
-readiness, and the block hashes of the tokens the engine's cache rows hold.
+:meth:`ReplicaHost.report` is what the router and the aggregated ``/stats`` read: load, readiness, and
+the block hashes of the text the engine's cache rows hold (see :mod:`verispec.server.prefix_router`).
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ class ReplicaHost:
         self.app = app
         self.state: ServerState = app.state.verispec
         self._lifespan: contextlib.AbstractAsyncContextManager[Any] | None = None
+        self._hashed: dict[int, list[int]] = {}  # a cached sequence's hash -> its text's block hashes
 
     async def start(self) -> None:
         """Enter the app's lifespan: the worker thread starts and the warm-up begins."""
@@ -107,14 +108,19 @@ class ReplicaHost:
             if not task.done():
                 task.add_done_callback(_log_failure)
 
-    def report(self, block_size: int) -> dict[str, Any]:
-        """Load, readiness, slots, the rolling figures and the block hashes of the tokens the cache rows hold."""
+    def report(self, block_chars: int) -> dict[str, Any]:
+        """Load, readiness, slots, the rolling figures and the block hashes of the text the cache rows hold
+        (their token ids decoded, special tokens included: the text the router hashes)."""
         state = self.state
         worker = state.worker
         batch = worker.stats()
-        held = set()
+        held: set[int] = set()
+        hashes = {}
         for tokens in cached_sequences(state):
-            held.update(block_hashes(tokens, block_size))
+            key = hash(tuple(tokens))
+            hashes[key] = self._hashed.get(key) or block_hashes(self._text(tokens), block_chars)
+            held.update(hashes[key])
+        self._hashed = hashes  # rows unchanged since the last report are not decoded again
         snap = state.metrics.snapshot()
         totals = [p["total"] for p in snap["paths"].values()]
         drafted, accepted = sum(t["drafted"] for t in totals), sum(t["accepted"] for t in totals)
@@ -136,6 +142,10 @@ class ReplicaHost:
             "pid": os.getpid(),
             "host": socket.gethostname(),
         }
+
+    def _text(self, tokens: list[int]) -> str:
+        tokenizer = self.state.engine.tokenizer
+        return tokenizer.decode(tokens, skip_special_tokens=False) if tokenizer is not None else ""
 
     def metrics_text(self) -> bytes:
         """This replica's Prometheus exposition."""

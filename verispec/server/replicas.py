@@ -35,7 +35,7 @@ except ImportError as e:  # pragma: no cover (the CI installs the extra; this is
 
 from verispec.log import logger
 from verispec.server.config import ServerConfig
-from verispec.server.ingress import Ingress, IngressConfig, ReplicaGone, tokenizer_encoder
+from verispec.server.ingress import Ingress, IngressConfig, ReplicaGone, tokenizer_prompt_text
 from verispec.server.prefix_router import RouterConfig
 from verispec.server.replica_host import Forwarded, ReplicaHost
 
@@ -103,7 +103,7 @@ class VerispecReplica:
         from verispec.server.app import create_app
 
         torch.set_num_threads(config.torch_threads)
-        self.block_size = config.router.block_size
+        self.block_chars = config.router.block_chars
         server = config.server
         engine = await asyncio.to_thread(Engine.from_pretrained, config.model, draft=config.draft,
                                          max_batch=server.max_batch, prefix_reuse=server.prefix_reuse,
@@ -116,7 +116,7 @@ class VerispecReplica:
             yield message
 
     def report(self) -> dict[str, Any]:
-        return self.host.report(self.block_size)
+        return self.host.report(self.block_chars)
 
     def metrics(self) -> bytes:
         return self.host.metrics_text()
@@ -177,9 +177,9 @@ class VerispecIngress:
     def __init__(self, config: ReplicasConfig, replicas: list[DeploymentHandle]) -> None:
         from verispec.models.loader import load_tokenizer, open_source
 
-        tokenizer = load_tokenizer(open_source(config.model))  # to hash prompts as the replicas' engines hold them
-        encode = tokenizer_encoder(tokenizer) if tokenizer is not None else None
-        self.ingress = Ingress(RayFleet(replicas), config.server, encode, config.ingress)
+        tokenizer = load_tokenizer(open_source(config.model))  # renders prompts as the replicas' engines read them
+        text = tokenizer_prompt_text(tokenizer) if tokenizer is not None else None
+        self.ingress = Ingress(RayFleet(replicas), config.server, text, config.ingress)
 
     def __serve_build_asgi_app__(self) -> Any:
         return self.ingress.asgi
