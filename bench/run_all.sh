@@ -69,6 +69,9 @@ for step in $STEPS; do
       $PY bench/prefix_reuse.py --out "$D" ;;
     server)       # `verispec serve` on the pair with its defaults: launch to ready, then the first requests
       $PY bench/server_ready.py --max-tokens 128 --out "$D" ;;
+    replicas)     # opt-in (STEPS=replicas; needs the replicas extra): `verispec serve --replicas 2`, the router's
+                  # time per request and launch to ready (docs/replicas.md)
+      $PY bench/replicas.py router --out "$D" && $PY bench/replicas.py ready --model smollm2-135m-instruct --out "$D" ;;
     sampling)     # plain decoding greedy, at temperature 0.8 and with top-p 0.9, and the defaults sampled: tokens/s
                   # side by side and the verification stage's share of the scoring stage
       T=temperature=0.8

@@ -23,12 +23,13 @@ from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 from tiny_server import make_tiny_pair
 
-pytest.importorskip("ray")
+ray = pytest.importorskip("ray")
 
 from verispec.config import SpecConfig  # noqa: E402
+from verispec.errors import VerispecError  # noqa: E402
 from verispec.server import ServerConfig  # noqa: E402
 from verispec.server.ingress import REPLICA_HEADER  # noqa: E402
-from verispec.server.replicas import ReplicasConfig, shutdown, start, wait_ready  # noqa: E402
+from verispec.server.replicas import ReplicasConfig, app_builder, shutdown, start, wait_ready  # noqa: E402
 
 MODEL = "tiny"
 MAX_LEN = 4096
@@ -143,6 +144,8 @@ class TestTwoReplicas:
         pinned = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2},
                            headers={REPLICA_HEADER: "7"})
         assert pinned.status_code == 400 and pinned.json()["error"]["param"] == REPLICA_HEADER
+        admin = http.post("/admin/spec-fraction", json={"fraction": 0.5}, headers={"Authorization": "Bearer x" * 9})
+        assert admin.status_code == 403 and admin.json()["error"]["code"] == "admin_disabled"
 
     def test_32_concurrent_requests_without_errors(self, http: httpx.Client, oai: OpenAI) -> None:
         before = {r["replica"]: r["requests"] for r in replicas(http)}
@@ -230,6 +233,22 @@ class TestTwoReplicas:
         r = oai.completions.create(model=MODEL, prompt="after", max_tokens=4, **GREEDY,
                                    extra_headers={REPLICA_HEADER: str(victim)})
         assert r.choices[0].finish_reason in ("stop", "length")
+
+
+def test_application_builder_for_serve_run_and_kuberay(pair: tuple[str, str]) -> None:
+    app = app_builder({"model": pair[0], "draft": pair[1], "replicas": "3", "max_len": "512"})
+    assert type(app).__name__ == "Application"
+    with pytest.raises(VerispecError, match="needs model"):
+        app_builder({"replicas": "2"})
+    with pytest.raises(VerispecError, match="unknown application arguments: colour"):
+        app_builder({"model": pair[0], "colour": "red"})
+
+
+def test_a_model_that_cannot_load_fails_before_ray_starts(tmp_path: Path) -> None:
+    server = ServerConfig(model_name=MODEL, port=free_port())
+    with pytest.raises(VerispecError):
+        start(ReplicasConfig(replicas=2, model=str(tmp_path / "missing"), server=server))
+    assert not ray.is_initialized()
 
 
 def test_ctrl_c_stops_every_process(pair: tuple[str, str]) -> None:

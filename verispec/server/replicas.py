@@ -27,7 +27,7 @@ try:
     import ray
     from ray import serve
     from ray.exceptions import RayActorError
-    from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableError
+    from ray.serve.exceptions import DeploymentUnavailableError, RayServeException, ReplicaUnavailableError
     from ray.serve.handle import DeploymentHandle
 except ImportError as e:  # pragma: no cover (the CI installs the extra; this is the message without it)
     raise VerispecError("--replicas needs Ray Serve, an optional extra: pip install 'verispec[replicas]' "
@@ -201,10 +201,11 @@ def build_application(config: ReplicasConfig) -> Any:
     replicas = [VerispecReplica.options(name=f"replica-{i}", num_replicas=1, max_ongoing_requests=config.max_ongoing,
                                         health_check_period_s=config.health_check_period_s,
                                         graceful_shutdown_timeout_s=config.server.shutdown_timeout_s,
-                                        ray_actor_options=cpus).bind(config)
+                                        max_constructor_retry_count=3, ray_actor_options=cpus).bind(config)
                 for i in range(config.replicas)]
+    # Requests past --limit-concurrency (and one queued) are refused with 503 by Ray Serve's proxy.
     limit = config.server.limit_concurrency or 10_000
-    return VerispecIngress.options(name="ingress", num_replicas=1, max_ongoing_requests=limit,
+    return VerispecIngress.options(name="ingress", num_replicas=1, max_ongoing_requests=limit, max_queued_requests=1,
                                    ray_actor_options={"num_cpus": 0}).bind(config, replicas)
 
 
@@ -230,6 +231,7 @@ def start(config: ReplicasConfig, *, num_cpus: int | None = None, verbose: bool 
     """Start (or join) Ray, start Serve's proxy on the server's host and port, and deploy the application
     without waiting for the replicas to be ready. Returns the ingress handle and whether Ray was started here
     (``num_cpus`` caps a Ray started here; ``verbose`` keeps Ray Serve's access log and info lines)."""
+    check_models(config)
     started_ray = False
     if not ray.is_initialized():
         kwargs: dict[str, Any] = {"include_dashboard": False, "logging_level": "INFO" if verbose else "WARNING"}
@@ -239,11 +241,28 @@ def start(config: ReplicasConfig, *, num_cpus: int | None = None, verbose: bool 
             ray.init(num_cpus=num_cpus, **kwargs)
             started_ray = True
     logging = {"enable_access_log": verbose, "log_level": "INFO" if verbose else "WARNING"}
-    serve.start(http_options={"host": config.server.host, "port": config.server.port}, proxy_location="HeadOnly",
-                logging_config=logging)
-    handle = serve.run(build_application(config), name=APP_NAME, route_prefix="/", blocking=False,
-                       logging_config=logging)
+    http = {"host": config.server.host, "port": config.server.port,
+            "keep_alive_timeout_s": config.server.timeout_keep_alive_s}
+    try:
+        serve.start(http_options=http, proxy_location="HeadOnly", logging_config=logging)
+        handle = serve.run(build_application(config), name=APP_NAME, route_prefix="/", blocking=False,
+                           logging_config=logging)
+    except RayServeException as e:
+        if started_ray:
+            shutdown(started_ray)
+        first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
+        raise VerispecError(f"the replicas did not start: {first} (run with -v for Ray's log)") from None
     return handle, started_ray
+
+
+def check_models(config: ReplicasConfig) -> None:
+    """Fail here, with the single server's message, on a model or draft that cannot load, rather than in
+    every replica's constructor (which Ray Serve would retry)."""
+    from verispec.models.loader import open_source
+
+    open_source(config.model)
+    if config.draft is not None and config.draft != "auto":
+        open_source(config.draft)
 
 
 def wait_ready(handle: Any, config: ReplicasConfig, stop: threading.Event | None = None) -> bool:
@@ -272,11 +291,14 @@ def serve_replicas(config: ReplicasConfig, verbose: bool = False) -> bool:
     """Serve until Ctrl-C or SIGTERM, then stop everything this process started; True after a Ctrl-C."""
     stop = threading.Event()
     interrupted = False
+    deploying = True  # Ray Serve's deploy call waits for every replica's constructor: a signal interrupts it
 
     def on_signal(sig: int, _: Any) -> None:
         nonlocal interrupted
         interrupted |= sig == signal.SIGINT
         stop.set()
+        if deploying:
+            raise KeyboardInterrupt
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     t0 = time.perf_counter()
@@ -284,7 +306,12 @@ def serve_replicas(config: ReplicasConfig, verbose: bool = False) -> bool:
     try:
         logger.info("starting %d replicas on %s", config.replicas,
                     f"the Ray cluster at {config.ray_address}" if config.ray_address else "a local Ray")
-        handle, started_ray = start(config, verbose=verbose)
+        try:
+            handle, started_ray = start(config, verbose=verbose)
+        except KeyboardInterrupt:
+            started_ray = config.ray_address is None
+            return interrupted
+        deploying = False
         url = f"http://{config.server.host}:{config.server.port}"
         if wait_ready(handle, config, stop):
             logger.info("ready on %s: %d replicas in %.1f s", url, config.replicas, time.perf_counter() - t0)
