@@ -21,6 +21,7 @@ import psutil
 import pytest
 from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
+from test_dashboard import CHROMIUM, CHROMIUM_ARGS
 from tiny_server import make_tiny_pair
 
 ray = pytest.importorskip("ray")
@@ -187,6 +188,28 @@ class TestTwoReplicas:
         assert "verispec:router_overhead_seconds" in families
         page = http.get("/dashboard")
         assert page.status_code == 200 and 'id="replicas"' in page.text
+
+    def test_dashboard_lists_the_replicas(self, cluster: SimpleNamespace, tmp_path: Path) -> None:
+        if not Path(CHROMIUM).exists():
+            pytest.skip(f"{CHROMIUM} is missing (`make chromium` installs it)")
+        from playwright.sync_api import sync_playwright
+
+        with sync_playwright() as p:
+            context = p.chromium.launch_persistent_context(str(tmp_path / "profile"), executable_path=CHROMIUM,
+                                                           headless=True, args=CHROMIUM_ARGS)
+            try:
+                page = context.new_page()
+                page.goto(f"{cluster.url}/dashboard?interval=250")
+                page.wait_for_function("() => document.querySelectorAll('#replicas tbody tr').length === 2",
+                                       timeout=30_000)
+                rows = page.eval_on_selector_all("#replicas tbody tr",
+                                                 "rows => rows.map(r => [...r.cells].map(c => c.textContent))")
+                assert page.is_visible("#replicas-card")
+                assert "routed by prefix" in page.text_content("#router")
+            finally:
+                context.close()
+        assert [(r[0], r[1]) for r in rows] == [("0", "ready"), ("1", "ready")]
+        assert all(int(r[7]) > 0 for r in rows)  # requests: both served the concurrent batch
 
     def test_follow_up_lands_on_its_prefix_and_starts_5x_sooner(self, http: httpx.Client) -> None:
         # A byte-level tokenizer: a character is a token, so this is a prompt of about 3,500 tokens.

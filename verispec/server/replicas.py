@@ -203,9 +203,11 @@ def build_application(config: ReplicasConfig) -> Any:
                                         graceful_shutdown_timeout_s=config.server.shutdown_timeout_s,
                                         max_constructor_retry_count=3, ray_actor_options=cpus).bind(config)
                 for i in range(config.replicas)]
-    # Requests past --limit-concurrency (and one queued) are refused with 503 by Ray Serve's proxy.
+    # --limit-concurrency requests run in the ingress; as many more wait in Ray Serve's proxy (its queue also
+    # holds requests on their way in, so it cannot be empty); past both, the proxy answers 503.
     limit = config.server.limit_concurrency or 10_000
-    return VerispecIngress.options(name="ingress", num_replicas=1, max_ongoing_requests=limit, max_queued_requests=1,
+    return VerispecIngress.options(name="ingress", num_replicas=1, max_ongoing_requests=limit,
+                                   max_queued_requests=limit,
                                    ray_actor_options={"num_cpus": 0}).bind(config, replicas)
 
 
