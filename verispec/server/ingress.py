@@ -220,8 +220,8 @@ class Ingress:
     # -- generation --------------------------------------------------------------------------
 
     async def _generate(self, scope: Scope, receive: Receive, send: Send, kind: str) -> None:
-        t0 = time.perf_counter()
         body = await _read_body(receive)
+        t0 = time.perf_counter()  # the routing overhead: from the whole body to the choice of a replica
         hashes: list[int] = []
         user = None
         try:
@@ -249,6 +249,9 @@ class Ingress:
 
     async def _route(self, scope: Scope, receive: Receive, send: Send, hashes: Sequence[int], user: str | None,
                      body: bytes | None = None, t0: float | None = None) -> None:
+        """Forward to the replica the router picks (retrying elsewhere while nothing reached the client).
+        ``t0`` (generation requests only) starts the routing overhead, which the decision counts go with."""
+        generation = t0 is not None
         if body is None:
             body = await _read_body(receive)
         request = _forwarded(scope, body)
@@ -273,7 +276,7 @@ class Ingress:
                 await self._unavailable(send, retried=bool(tried))
                 return
             i = choice.replica
-            if not tried:
+            if generation and not tried:
                 self.decisions[choice.reason] += 1
                 self._m_decisions.labels(choice.reason).inc()
             tried.append(i)
