@@ -152,8 +152,11 @@ class ReplicaHost:
         return self.state.metrics.render()
 
     def alive(self) -> bool:
-        """False once the replica cannot serve again (its warm-up failed); the host then replaces it."""
-        return self.state.readiness.state != "failed"
+        """False once the replica cannot serve again (its warm-up failed, or its engine thread ended while
+        the app runs); the host then replaces it."""
+        if self.state.readiness.state == "failed":
+            return False
+        return self._lifespan is None or self.state.closing or not self.state.worker.join(0)
 
 
 def cached_sequences(state: ServerState) -> list[list[int]]:

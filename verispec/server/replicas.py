@@ -124,7 +124,8 @@ class VerispecReplica:
     def check_health(self) -> None:
         """Ray Serve replaces a replica whose health check raises."""
         if not self.host.alive():
-            raise RuntimeError(f"the replica's warm-up failed: {self.host.state.readiness.error}")
+            raise RuntimeError(f"the replica cannot serve (warm-up: {self.host.state.readiness.state}"
+                               f"{', ' + self.host.state.readiness.error if self.host.state.readiness.error else ''})")
 
     async def __del__(self) -> None:
         host = getattr(self, "host", None)  # None when stopped while still loading
@@ -260,8 +261,10 @@ def start(config: ReplicasConfig, *, num_cpus: int | None = None, verbose: bool 
 def check_models(config: ReplicasConfig) -> None:
     """Fail here, with the single server's message, on a model or draft that cannot load, rather than in
     every replica's constructor (which Ray Serve would retry)."""
+    from verispec.config import EngineConfig
     from verispec.models.loader import open_source
 
+    EngineConfig(model=config.model, draft=config.draft, max_batch=config.server.max_batch, **config.engine)
     open_source(config.model)
     if config.draft is not None and config.draft != "auto":
         open_source(config.draft)
