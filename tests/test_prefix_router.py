@@ -204,3 +204,19 @@ def test_replicas_without_ray_say_how_to_install_it(tmp_path: Path) -> None:
     assert proc.returncode == 2, proc.stderr
     assert "pip install 'verispec[replicas]'" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_the_router_bench_reports_its_percentiles(tmp_path: Path) -> None:
+    from tiny_server import make_tiny_pair
+
+    target, _ = make_tiny_pair(tmp_path / "models")
+    out = tmp_path / "out"
+    subprocess.run([sys.executable, str(ROOT / "bench" / "replicas.py"), "router", "--model", str(target),
+                    "--replicas", "2", "--chats", "4", "--turns", "2", "--out", str(out)], cwd=ROOT, check=True,
+                   capture_output=True, timeout=300)
+    result = json.loads((out / "router.json").read_text())
+    assert result["requests"] == 8 and sum(result["decisions"].values()) == 8
+    assert result["decisions"]["prefix"] >= 4  # every second turn finds its first turn's blocks
+    for key in ("total_ms", "parse_and_render_ms", "hash_and_choose_ms", "tokenizing_instead_ms"):
+        assert 0 < result[key]["p50"] <= result[key]["p99"] <= result[key]["max"]
+    assert result["machine"]["cpu"]

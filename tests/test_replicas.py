@@ -239,8 +239,9 @@ class TestTwoReplicas:
             victim = int(stream.headers[REPLICA_HEADER])
             lines = stream.iter_lines()
             assert next(line for line in lines if line.startswith("data: {"))
-            futures = [pool.submit(oai.completions.create, model=MODEL, prompt=f"load {i} " * 8, max_tokens=32,
-                                   **GREEDY) for i in range(12)]
+            # Long enough that some are still running (or waiting) on the victim when it dies.
+            futures = [pool.submit(oai.completions.create, model=MODEL, prompt=f"load {i} " * 8, max_tokens=128,
+                                   extra_body={"ignore_eos": True}, **GREEDY) for i in range(12)]
             assert wait_until(lambda: replicas(http)[victim]["running"] >= 2, 60)
             os.kill(pids[victim], signal.SIGKILL)
             rest = [line for line in lines if line.startswith("data: ")]  # ends: no hang
@@ -248,7 +249,8 @@ class TestTwoReplicas:
         errors = [json.loads(line[6:]) for line in rest if line.startswith("data: {") and '"error"' in line]
         assert errors and errors[0]["error"]["code"] == "replica_failed", rest[-3:]
         assert rest[-1] == "data: [DONE]"
-        assert all(r.choices[0].finish_reason in ("stop", "length") for r in results)  # none lost
+        assert all(r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 128
+                   for r in results)  # none lost, none cut short
         assert http.get("/stats").json()["router"]["retries"] >= 1
         # Ray Serve starts a new process for the dead replica; the ingress routes to it again once it is ready.
         assert wait_until(lambda: all(r["ready"] for r in replicas(http))
