@@ -36,7 +36,6 @@ except ImportError as e:  # pragma: no cover (the CI installs the extra; this is
 from verispec.log import logger
 from verispec.server.config import ServerConfig
 from verispec.server.ingress import Ingress, IngressConfig, ReplicaGone, tokenizer_prompt_text
-from verispec.server.prefix_router import RouterConfig
 from verispec.server.replica_host import Forwarded, ReplicaHost
 
 APP_NAME = "verispec"
@@ -48,10 +47,11 @@ class ReplicasConfig:
     """A replicated server: ``replicas`` engines of ``model`` (and ``draft``) serving ``server``'s API.
 
     ``engine`` holds the other :class:`~verispec.config.EngineConfig` fields (dtype, max_len, weights,
-    ...). ``ray_address`` joins an existing Ray cluster (None: start Ray on this machine).
-    ``replica_cpus`` is the CPUs Ray reserves per replica (Ray places replicas by it: on a cluster of
-    machines with C cores each, C puts one replica per machine) and ``threads`` the torch threads each
-    replica computes with (default: ``replica_cpus`` rounded down, at least 1).
+    ...); ``ingress`` how the ingress routes and watches the replicas. ``ray_address`` joins an
+    existing Ray cluster (None: start Ray on this machine). ``replica_cpus`` is the CPUs Ray reserves
+    per replica (Ray places replicas by it: on a cluster of machines with C cores each, C puts one
+    replica per machine) and ``threads`` the torch threads each replica computes with (default:
+    ``replica_cpus`` rounded down, at least 1).
     """
 
     replicas: int
@@ -59,8 +59,7 @@ class ReplicasConfig:
     server: ServerConfig
     draft: str | None = None
     engine: dict[str, Any] = field(default_factory=dict)
-    router: RouterConfig = field(default_factory=RouterConfig)
-    ingress: IngressConfig = field(default_factory=IngressConfig)
+    ingress: IngressConfig = field(default_factory=IngressConfig)  # its router's settings too
     ray_address: str | None = None
     replica_cpus: float = 1.0
     threads: int | None = None
@@ -76,10 +75,6 @@ class ReplicasConfig:
             raise VerispecError(f"threads must be at least 1 (got {self.threads!r})")
         if self.health_check_period_s <= 0 or self.ready_timeout_s <= 0:
             raise VerispecError("health_check_period_s and ready_timeout_s must be positive")
-        if self.ingress.router != self.router:
-            object.__setattr__(self, "ingress", IngressConfig(self.router, self.ingress.report_interval_s,
-                                                              self.ingress.report_timeout_s,
-                                                              self.ingress.overhead_window))
 
     @property
     def torch_threads(self) -> int:
@@ -103,7 +98,7 @@ class VerispecReplica:
         from verispec.server.app import create_app
 
         torch.set_num_threads(config.torch_threads)
-        self.block_chars = config.router.block_chars
+        self.block_chars = config.ingress.router.block_chars
         server = config.server
         engine = await asyncio.to_thread(Engine.from_pretrained, config.model, draft=config.draft,
                                          max_batch=server.max_batch, prefix_reuse=server.prefix_reuse,
