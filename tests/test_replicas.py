@@ -230,6 +230,22 @@ class TestTwoReplicas:
         assert stats["router"]["decisions"]["prefix"] >= 1
         assert stats["replicas"][home]["prefix_reused_tokens"] >= len(long)
 
+    def test_a_client_that_leaves_cancels_its_request_on_the_replica(self, http: httpx.Client,
+                                                                    cluster: SimpleNamespace) -> None:
+        body = {"model": MODEL, "prompt": "leave", "max_tokens": 3000, "ignore_eos": True, "stream": True}
+        with httpx.Client(base_url=cluster.url, timeout=60) as client, \
+                client.stream("POST", "/v1/completions", json=body) as stream:
+            replica = int(stream.headers[REPLICA_HEADER])
+            lines = stream.iter_lines()  # held: closing the iterator would close the response
+            assert next(line for line in lines if line.startswith("data: {"))
+            assert replicas(http)[replica]["running"] == 1
+        # The connection is closed: the ingress cancels the request on its replica, whose slot is free again.
+        assert wait_until(lambda: replicas(http)[replica]["running"] == 0, 30)
+        text = http.get("/metrics").text
+        cancelled = [f for f in text_string_to_metric_families(text) if f.name == "verispec:request_success"][0]
+        assert any(s.labels["replica"] == str(replica) and s.labels["finished_reason"] == "cancelled"
+                   and s.name.endswith("_total") and s.value >= 1 for s in cancelled.samples)
+
     def test_a_killed_replica_loses_no_request_and_is_replaced(self, http: httpx.Client, oai: OpenAI) -> None:
         pids = {r["replica"]: r["pid"] for r in replicas(http)}
         # A long stream in flight, then non-streamed requests on both replicas; then the stream's replica dies.
