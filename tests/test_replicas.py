@@ -285,6 +285,13 @@ def test_application_builder_for_serve_run_and_kuberay(pair: tuple[str, str]) ->
         app_builder({"model": pair[0], "colour": "red"})
 
 
+@pytest.mark.parametrize("bad", [dict(replicas=0), dict(replica_cpus=-1), dict(threads=0),
+                                 dict(engine={"device": "cuda"}), dict(engine={"draft_device": "cuda:1"})])
+def test_replicas_config_is_validated(bad: dict[str, Any]) -> None:
+    with pytest.raises(VerispecError):
+        ReplicasConfig(**{"replicas": 2, "model": "m", "server": ServerConfig(model_name=MODEL), **bad})
+
+
 def test_a_model_that_cannot_load_fails_before_ray_starts(tmp_path: Path) -> None:
     server = ServerConfig(model_name=MODEL, port=free_port())
     with pytest.raises(VerispecError):

@@ -75,6 +75,10 @@ class ReplicasConfig:
             raise VerispecError(f"threads must be at least 1 (got {self.threads!r})")
         if self.health_check_period_s <= 0 or self.ready_timeout_s <= 0:
             raise VerispecError("health_check_period_s and ready_timeout_s must be positive")
+        devices = {str(self.engine.get(k) or "cpu") for k in ("device", "target_device", "draft_device")}
+        if devices != {"cpu"}:
+            # Ray hides accelerators from actors that reserve none; replicas reserve CPUs only.
+            raise VerispecError(f"--replicas runs replicas on CPUs (got device {', '.join(sorted(devices - {'cpu'}))})")
 
     @property
     def torch_threads(self) -> int:
