@@ -65,6 +65,17 @@ def test_longest_cached_prefix_wins() -> None:
     assert router.choose(other).replica == 1
 
 
+def test_a_report_replaces_what_was_sent_before_it_was_asked_for() -> None:
+    router = ready_router(2, block_chars=16)
+    old, new = router.hashes(CONVERSATION), router.hashes(CONVERSATION[::-1])
+    router.sent(0, old)
+    since = router.clock  # the report is asked for now ...
+    router.sent(0, new)  # ... and this request reaches replica 0 after it was taken
+    router.report(0, load=0, held=[], since=since)  # replica 0 no longer holds the first prompt
+    assert router.matched(0, old) == 0
+    assert router.matched(0, new) == len(new)
+
+
 def test_user_then_load_when_no_prefix_is_cached() -> None:
     router = ready_router(3, block_chars=16)
     router.sent(2, [], user="alice")

@@ -215,20 +215,25 @@ class TestTwoReplicas:
         # A byte-level tokenizer: a character is a token, so this is a prompt of about 3,500 tokens.
         long = "".join(f"line {i}: the quick brown fox jumps over the lazy dog\n" for i in range(64))
         first = [{"role": "user", "content": long}]
+        # The first turn is pinned to replica 1: on idle replicas, routing by load alone would pick replica 0.
         answer = http.post("/v1/chat/completions", json={"model": MODEL, "messages": first, "max_tokens": 8,
-                                                         **GREEDY})
+                                                         **GREEDY}, headers={REPLICA_HEADER: "1"})
         assert answer.status_code == 200
         home = int(answer.headers[REPLICA_HEADER])
+        assert home == 1
+        # Once the home replica has reported its cache (it holds the whole first turn), routing rests on
+        # that report: the ingress drops its own record of what it sent before the report was asked for.
+        assert wait_until(lambda: replicas(http)[home]["cached_blocks"] >= len(long) // 64, 30)
         follow = [*first, {"role": "assistant", "content": answer.json()["choices"][0]["message"]["content"]},
                   {"role": "user", "content": "and then?"}]
+        before = http.get("/stats").json()["router"]["decisions"]["prefix"]
         warm_s, replica = first_token_s(http, follow)
-        assert replica == home  # routed to the replica whose cache holds the conversation
+        assert replica == home  # routed to the replica whose cache holds the conversation ...
+        assert http.get("/stats").json()["router"]["decisions"]["prefix"] == before + 1  # ... for that reason
         cold_s, other = first_token_s(http, follow, headers={REPLICA_HEADER: str(1 - home)})
         assert other == 1 - home
         assert cold_s >= 5 * warm_s, (warm_s, cold_s)
-        stats = http.get("/stats").json()
-        assert stats["router"]["decisions"]["prefix"] >= 1
-        assert stats["replicas"][home]["prefix_reused_tokens"] >= len(long)
+        assert replicas(http)[home]["prefix_reused_tokens"] >= len(long)
 
     def test_a_client_that_leaves_cancels_its_request_on_the_replica(self, http: httpx.Client,
                                                                     cluster: SimpleNamespace) -> None:

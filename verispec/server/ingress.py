@@ -158,6 +158,7 @@ class Ingress:
             await asyncio.sleep(self.config.report_interval_s)
 
     async def _refresh(self, i: int) -> None:
+        since = self.router.clock
         try:
             report = await asyncio.wait_for(self.fleet.report(i), self.config.report_timeout_s)
         except (ReplicaGone, TimeoutError) as e:
@@ -171,7 +172,7 @@ class Ingress:
             logger.warning("replica %d's report failed: %s", i, e)
             return
         self.reports[i] = report
-        self.router.report(i, report["load"], report["blocks"], healthy=bool(report["ready"]))
+        self.router.report(i, report["load"], report["blocks"], healthy=bool(report["ready"]), since=since)
         if report["ready"]:
             self._down[i].clear()
         else:

@@ -12,9 +12,9 @@ cache rows hold back to text (lossless for byte-level tokenizers) and hashes the
 hash is BLAKE2b, the same in every process (Python's own string hash is salted per process).
 
 A replica's table is what it last reported its cache rows hold (:meth:`PrefixRouter.report`, which
-replaces the table: rows evicted since are forgotten) plus what the router sent it since
-(:meth:`PrefixRouter.sent`, so a follow-up that arrives before the next report still finds its
-prefix).
+replaces the table: rows evicted since are forgotten) plus what the router sent it after that report
+was asked for (:meth:`PrefixRouter.sent`, so a follow-up that arrives before the next report still
+finds its prefix; what was sent earlier is in the report if the replica still holds it).
 
 Affinity never overrides load without bound: a replica is chosen for its prefix or its user only while
 its load (running + waiting requests) is at most ``max_imbalance`` above the least loaded replica's.
@@ -88,7 +88,7 @@ class _Replica:
     reported_load: int = 0  # running + waiting at its last report
     in_flight: int = 0  # requests the router sent and has not seen finish
     reported: frozenset[int] = frozenset()  # block hashes its cache rows held at its last report
-    sent: OrderedDict[int, None] = field(default_factory=OrderedDict)  # hashes sent since, LRU
+    sent: OrderedDict[int, int] = field(default_factory=OrderedDict)  # hash -> when last sent (oldest first)
 
     @property
     def load(self) -> int:
@@ -107,6 +107,7 @@ class PrefixRouter:
         self.config = config or RouterConfig()
         self._replicas = [_Replica() for _ in range(n)]
         self._users: OrderedDict[str, int] = OrderedDict()
+        self._clock = 0  # requests sent so far: orders the sent records against reports
 
     @property
     def size(self) -> int:
@@ -154,8 +155,9 @@ class PrefixRouter:
         """``replica`` takes a request: count it in flight, remember its blocks and its user."""
         r = self._replicas[replica]
         r.in_flight += 1
+        self._clock += 1
         for h in hashes:
-            r.sent[h] = None
+            r.sent[h] = self._clock
             r.sent.move_to_end(h)
         while len(r.sent) > self.config.max_sent_blocks:
             r.sent.popitem(last=False)
@@ -170,14 +172,22 @@ class PrefixRouter:
         r = self._replicas[replica]
         r.in_flight = max(0, r.in_flight - 1)
 
-    def report(self, replica: int, load: int, held: Iterable[int], healthy: bool = True) -> None:
+    @property
+    def clock(self) -> int:
+        """The router's count of requests sent: take it before asking a replica for its report."""
+        return self._clock
+
+    def report(self, replica: int, load: int, held: Iterable[int], healthy: bool = True, since: int = 0) -> None:
         """What ``replica`` says of itself: its load, the block hashes its cache rows hold, and whether it is ready.
 
-        The reported blocks replace the earlier report's; the blocks sent since stay (the replica may
-        not have admitted those requests yet).
+        The reported blocks replace the earlier report's. Blocks sent at or before :attr:`clock` was
+        ``since`` (when the report was asked for) are dropped from the sent record: the report holds
+        them if the replica still does. Later ones stay (the replica had not seen those requests).
         """
         r = self._replicas[replica]
         r.reported_load, r.reported, r.healthy = load, frozenset(held), healthy
+        while r.sent and next(iter(r.sent.values())) <= since:
+            r.sent.popitem(last=False)
 
     def mark_down(self, replica: int) -> None:
         """``replica`` failed: route nothing to it, and forget its cache (a replacement starts empty)."""
