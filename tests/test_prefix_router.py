@@ -140,6 +140,8 @@ class FakeFleet:
         try:
             if kind == "dead":
                 raise ReplicaGone("gone")
+            if kind == "raises":
+                raise RuntimeError("a bug in the replica")
             if kind == "dies-mid-stream":
                 yield {"type": "http.response.start", "status": 200,
                        "headers": [(b"content-type", b"text/event-stream")]}
@@ -194,6 +196,15 @@ def test_a_stream_that_loses_its_replica_ends_with_an_error_event() -> None:
     assert json.loads(events[1])["error"]["code"] == "replica_failed"
     assert events[-1] == "[DONE]"
     assert fleet.calls == [0]  # started streams are not retried
+
+
+def test_a_replica_that_raises_fails_the_request_alone() -> None:
+    fleet = FakeFleet(["raises", "ok"])
+    pinned = ("/v1/completions", {"model": "m", "prompt": "x"}, {REPLICA_HEADER: "0"})
+    rs = asyncio.run(_serve(fleet, [pinned, pinned]))
+    assert rs[0].status_code == 500 and rs[0].json()["error"]["code"] == "replica_error"
+    assert rs[1].status_code == 500  # not 503: replica 0 was not taken out of routing for one failed request
+    assert fleet.calls == [0, 0]
 
 
 def test_pinning_names_a_replica() -> None:

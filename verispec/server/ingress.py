@@ -327,6 +327,14 @@ class Ingress:
                         return "retry"
                     await self._fail_started(send, start, str(e))
                     return "done"
+                except Exception as e:  # noqa: BLE001 (the replica raised: this request fails, the replica serves on)
+                    logger.warning("replica %d failed on a request: %s", i, e)
+                    if sent:
+                        await self._fail_started(send, start, str(e))
+                    else:
+                        await _json(send, 500, error_body("the replica failed on this request", 500,
+                                                          code="replica_error"))
+                    return "done"
                 if message["type"] == "http.response.start":
                     start = message
                     continue
@@ -393,7 +401,8 @@ class Ingress:
         async def one(i: int) -> tuple[str, bytes] | None:
             try:
                 return str(i), await asyncio.wait_for(self.fleet.metrics(i), self.config.report_timeout_s)
-            except (ReplicaGone, TimeoutError):
+            except Exception as e:  # noqa: BLE001 (a replica that cannot answer is left out of this scrape)
+                logger.warning("replica %d's metrics are unavailable: %s", i, e or type(e).__name__)
                 return None
 
         texts = dict(t for t in await asyncio.gather(*(one(i) for i in self.router.healthy())) if t is not None)
@@ -440,7 +449,8 @@ class Ingress:
         async def collect(i: int) -> list[dict[str, Any]] | None:
             try:
                 return [m async for m in self.fleet.forward(i, request)]
-            except ReplicaGone:
+            except Exception as e:  # noqa: BLE001 (the others still answer)
+                logger.warning("replica %d did not take an admin request: %s", i, e)
                 return None
 
         answers = [a for a in await asyncio.gather(*(collect(i) for i in targets)) if a]
