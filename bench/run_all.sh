@@ -104,7 +104,7 @@ for step in $STEPS; do
     predicted|predicted_polyglot) # code edits with their quoted code as the predicted output (and another's, an
                   # unrelated one) against the defaults without one and llama.cpp plain; answers run to their end
       [ "$step" = predicted ] && SET=code_edit || SET=code_edit_polyglot
-      $V bench "${INT4_PAIR[@]}" --kernels q8 --methods none,hybrid,hybrid:predict=1,hybrid:predict=other,none:predict=1 \
+      $V bench "${INT4_PAIR[@]}" --kernels q8 --methods none,hybrid,hybrid:predict=1,hybrid:predict=other \
         --dataset "$SET" --max-tokens 1024 --peers llamacpp --peer-methods llamacpp-plain --no-progress --out "$D" ;;
     peer_spread)  # the spread of the ratios nearest their goals: llama.cpp interleaved prompt by prompt, 3 repeats
       $V bench "${INT4_PAIR[@]}" --kernels q8 --methods none,hybrid,hybrid:lookup=suffix,k=16,global=0 \

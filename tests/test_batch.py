@@ -469,5 +469,11 @@ def test_the_cost_policy_is_profiled_once_never_for_a_request_s_k(engine, monkey
             assert [r.token_ids for r in out] == plain
         assert profiled == [PROFILE_K]  # the engine's own width: a k = 40 request did not size it
         assert be.costs.target_s(2 * 41, rows=2) >= be.costs.target_s(2 * (PROFILE_K + 1), rows=2)
+    # One row is also timed at the wide widths a prediction drafts; more rows only up to k_max + 1 each.
+    from verispec.engine.costs import PROFILE_WIDE
+
+    costs = be.profile(k_max=3, context=16)
+    assert sorted(costs.target.curves[1].points) == [1, 2, 3, 4, *PROFILE_WIDE]
+    assert sorted(costs.target.curves[2].points) == [2, 4, 6, 8]
     # Profiling past the context it runs at (widths above 64 at a 16-token context) is fine too.
     assert len(be.profile(k_max=70, context=16).target.curves[1].points) == 71

@@ -221,14 +221,17 @@ def test_stability_suite_passes_on_a_tiny_model(engine: Engine) -> None:
 # -- make demo ---------------------------------------------------------------------------------------
 
 def test_demo_is_a_bench_run_of_its_methods(pair: tuple[str, str], tmp_path: Path) -> None:
-    data = _write_jsonl(tmp_path / "p.jsonl", [{"category": "code", "prompt": "def add ( x , y ) : return x + y"},
-                                               {"category": "chat", "prompt": "what is the cat ?"}])
+    data = _write_jsonl(tmp_path / "p.jsonl", [
+        {"id": "code", "category": "code", "prompt": "def add ( x , y ) : return x + y"},
+        {"id": "edit", "category": "edit", "prompt": "add hints : def add ( x , y ) : return x + y",
+         "prediction": "def add ( x , y ) : return x + y"},
+        {"id": "chat", "category": "chat", "prompt": "what is the cat ?"}])
     opts = replace(demo_options(str(tmp_path / "out")), model=pair[0], draft=pair[1], dataset=f"jsonl:{data}",
-                   max_tokens=8, dtype="float32", max_len=MAX_LEN, progress=False)
+                   ids=["edit", "code"], max_tokens=8, dtype="float32", max_len=MAX_LEN, progress=False)
     report = run_bench(opts)
-    assert [m["label"] for m in report["methods"]] == [BASELINE, *METHODS.split(",")[1:2],
-                                                      "draft:policy=fixed,vocab=0,window=0,confidence=0",
-                                                      "ngram:policy=fixed"]
+    assert [m["label"] for m in report["methods"]] == [BASELINE, "hybrid", "hybrid:predict=1"] == \
+        [BASELINE, *METHODS.split(",")[1:]]
+    assert [i["prompt_id"] for i in report["items"]] == ["code", "edit"]  # the dataset's order, only those ids
     assert all(c["exact_match"] == 1.0 for c in report["consistency"])
     assert "speedup_by_category.png" in report["plots"] and (tmp_path / "out" / "report.md").is_file()
 
@@ -240,6 +243,19 @@ def test_demo_runs_llamacpp_where_the_extra_is_installed(monkeypatch: pytest.Mon
                             lambda name, *a, _i=installed: (object() if _i else None) if name == "llama_cpp"
                             else real(name, *a))
         assert demo_options("out").peers == (["llamacpp"] if installed else [])
+
+
+def test_the_demo_runs_packaged_prompts_with_long_answers() -> None:
+    opts = demo_options("out")
+    prompts = {p.id: p for p in datasets.load(opts.dataset)}
+    assert set(opts.ids) <= set(prompts) and opts.max_tokens >= 200
+    assert any(prompts[i].prediction for i in opts.ids) and any(not prompts[i].prediction for i in opts.ids)
+
+
+def test_unknown_prompt_ids_are_refused_before_any_work(pair: tuple[str, str], tmp_path: Path) -> None:
+    with pytest.raises(VerispecError, match="no prompt nope"):
+        run_bench(BenchOptions(model=pair[0], dataset="chat_code", ids=["chat_code-01", "nope"],
+                               out=str(tmp_path / "o"), progress=False))
 
 
 def test_peer_models_load_from_the_engines_files(tmp_path: Path, pair: tuple[str, str]) -> None:

@@ -293,7 +293,7 @@ def cmd_advise(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from verispec.demo import run_demo
 
-    run_demo(args.out, n_prompts=args.prompts, max_tokens=args.max_tokens)
+    run_demo(args.out, max_tokens=args.max_tokens)
     return 0
 
 
@@ -436,10 +436,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="with --replicas: torch threads per replica (default: --replica-cpus, at least 1)")
     sv.set_defaults(func=cmd_serve)
 
-    d = sub.add_parser("demo", help="speculative vs plain decoding on the real pair: a table and a plot")
+    d = sub.add_parser("demo", help="speculative vs plain decoding on the real pair (coding requests and code edits, "
+                       "with and without a predicted output): a table and a plot")
     d.add_argument("--out", default="demo_out")
-    d.add_argument("--prompts", type=int, default=4)
-    d.add_argument("--max-tokens", type=int, default=96)
+    d.add_argument("--max-tokens", type=int, default=256)
     d.set_defaults(func=cmd_demo)
 
     from verispec.bench.command import add_parser as add_bench_parser

@@ -34,6 +34,7 @@ class BenchOptions:
     per_category: int | None = None
     categories: list[str] = field(default_factory=list)  # Spec-Bench categories to keep (empty: all)
     n: int | None = None
+    ids: list[str] = field(default_factory=list)  # keep only these prompt ids, in the dataset's order (empty: all)
     seed: int = 0
     prompt_field: str = "prompt"
     raw: bool = False
@@ -130,6 +131,11 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
     prompts = datasets.load(opts.dataset, Path(opts.spec_bench) if opts.spec_bench else None, opts.per_category,
                             opts.n, opts.seed, opts.mt_bench_turns, opts.prompt_field, not opts.raw,
                             opts.categories)
+    if opts.ids:
+        missing = sorted(set(opts.ids) - {p.id for p in prompts})
+        if missing:
+            raise VerispecError(f"--ids: no prompt {', '.join(missing)} in dataset '{opts.dataset}'")
+        prompts = [p for p in prompts if p.id in set(opts.ids)]
     out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
     peer_errors = _check_peers(opts)  # a peer that cannot run is reported now, and the run goes on without it
@@ -571,6 +577,7 @@ def add_parser(sub: Any, add_engine_args: Callable[[argparse.ArgumentParser], No
     b.add_argument("--categories", default="", help="Spec-Bench categories to run, comma-separated, e.g. rag,qa "
                    "(default: all; the same prompts as a run of all of them)")
     b.add_argument("--n", type=int, help="first N prompts of HumanEval or a JSONL file (default: all)")
+    b.add_argument("--ids", default="", help="only these prompt ids, comma-separated (e.g. code_edit-02,code_edit-03)")
     b.add_argument("--seed", type=int, default=0, help="seed of the per-category sample (and of sampled decoding)")
     b.add_argument("--prompt-field", default="prompt", help="JSONL field holding the prompt")
     b.add_argument("--raw", action="store_true", help="JSONL prompts are raw completions (no chat template)")
@@ -606,7 +613,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     opts = BenchOptions(
         model=args.model, draft=args.draft, methods=args.methods, dataset=args.dataset, spec_bench=args.spec_bench,
-        per_category=args.per_category, categories=_csv(args.categories), n=args.n, seed=args.seed,
+        per_category=args.per_category, categories=_csv(args.categories), n=args.n, ids=_csv(args.ids), seed=args.seed,
         prompt_field=args.prompt_field, raw=args.raw, max_tokens=args.max_tokens, k=args.k, k_policy=args.k_policy,
         confidence=args.confidence, draft_vocab=args.draft_vocab, draft_window=args.draft_window,
         k_sweep=parse_ints(args.k_sweep), repeats=args.repeats, temperature=args.temperature, top_p=args.top_p,

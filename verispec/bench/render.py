@@ -690,9 +690,8 @@ SECTIONS: list[Section] = [
           "The int4 pair on 8-bit activations (`--kernels q8`) on the packaged `code_edit` requests, each answer "
           "run to its end (up to 1024 tokens): verispec's defaults without a prediction (`hybrid`), with the "
           "request's quoted function as the prediction (`hybrid:predict=1`, what a client sends as OpenAI's "
-          "`prediction`), with another request's function (`hybrid:predict=other`: an unrelated prediction) and "
-          "plain decoding with the prediction alone (`none:predict=1`), against llama.cpp plain decoding on the "
-          "same GGUF. Nothing was tuned on these prompts (the prediction drafter was looked at on the 12 edits of "
+          "`prediction`), and with another request's function (`hybrid:predict=other`: an unrelated prediction), against "
+          "llama.cpp plain decoding on the same GGUF. Nothing was tuned on these prompts (the prediction drafter was looked at on the 12 edits of "
           "`--dataset code_edit_tune`)."),
     bench("predicted_polyglot", "Predicted outputs: code edits in Go, TypeScript, Rust, SQL and bash",
           "As the predicted outputs, on the packaged `code_edit_polyglot` requests (15 edits, three per language)."),

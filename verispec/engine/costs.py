@@ -15,9 +15,13 @@ import numpy as np
 import torch
 
 from verispec.engine.metrics import seconds_of
+from verispec.models.linear import VERIFY_M_MAX
 from verispec.models.llama import Transformer
 
 PROFILE_K = 8  # the widest k profiled when nobody asks for more: a larger k extends the curve
+# One row's curve is also timed at these widths: a prediction or a long lookup drafts far past PROFILE_K, and
+# extending the curve by its last (noisy) segment would price those steps by chance.
+PROFILE_WIDE = (16, 32, 64)
 SHAPE_BUDGET_S = 0.5  # seconds of timing per profiled shape at most (past its first): a slow host stops early
 
 
@@ -108,13 +112,15 @@ class CostModel:
 @torch.inference_mode()
 def profile_costs(target: Transformer, draft: Transformer | None, max_rows: int, k_max: int, context: int = 64,
                   reps: int = 5) -> CostModel:
-    """Time forwards of B rows x m tokens (B in powers of two up to ``max_rows``, m in 1..k_max+1) over
-    a ``context``-token dummy prefix in a cache of their own, and one-token draft forwards of B rows.
+    """Time forwards of B rows x m tokens (B in powers of two up to ``max_rows``, m in 1..k_max+1, and one row
+    also at the :data:`PROFILE_WIDE` widths past that) over a ``context``-token dummy prefix in a cache of their
+    own, and one-token draft forwards of B rows.
 
     Each point is the fastest of ``reps`` runs: noise on a shared host only ever adds time.
     """
     rows = sorted({1 << i for i in range(max_rows.bit_length()) if 1 << i <= max_rows} | {max_rows})
     grid = _time_grid(target, rows, range(1, k_max + 2), context, reps)
+    grid |= _time_grid(target, [1], tuple(m for m in PROFILE_WIDE if k_max + 1 < m <= VERIFY_M_MAX), context, reps)
     curves = RowCurves({b: CostCurve({b * m: t for (b_, m), t in grid.items() if b_ == b}) for b in rows})
     if draft is None:
         return CostModel(curves)
@@ -127,6 +133,8 @@ def _time_grid(model: Transformer, rows: list[int], widths: range | tuple[int, .
     def dummy(b: int, m: int) -> torch.Tensor:  # which tokens a forward reads does not change its time
         return ((torch.arange(m, device=model.device) * 7 + 3) % model.args.vocab_size).expand(b, -1).contiguous()
 
+    if not widths:
+        return {}
     cache = model.new_cache(max(rows), context + max(widths))
     model(dummy(cache.batch, context), torch.arange(context, device=model.device).expand(cache.batch, -1), cache,
           last_only=True)
