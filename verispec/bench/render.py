@@ -128,6 +128,8 @@ def plot_report(report: dict[str, Any], folder: Path) -> list[Path]:
     """The plots ``verispec bench`` draws, from report.json's per-category rows (or its clients sweep)."""
     from verispec.bench import plots
 
+    if "per_category" not in report and "clients" not in report:  # another table named so (the grammar engines')
+        return []
     if "clients" in report:
         drawn = plots.clients_sweep(report["clients"], folder / "clients.png", report["title"])
         return [drawn] if drawn is not None and report.get("plots") else []
@@ -690,9 +692,9 @@ SECTIONS: list[Section] = [
           "The int4 pair on 8-bit activations (`--kernels q8`) on the packaged `code_edit` requests, each answer "
           "run to its end (up to 1024 tokens): verispec's defaults without a prediction (`hybrid`), with the "
           "request's quoted function as the prediction (`hybrid:predict=1`, what a client sends as OpenAI's "
-          "`prediction`), and with another request's function (`hybrid:predict=other`: an unrelated prediction), against "
-          "llama.cpp plain decoding on the same GGUF. Nothing was tuned on these prompts (the prediction drafter was looked at on the 12 edits of "
-          "`--dataset code_edit_tune`)."),
+          "`prediction`), and with another request's function (`hybrid:predict=other`: an unrelated "
+          "prediction), against llama.cpp plain decoding on the same GGUF. Nothing was tuned on these prompts "
+          "(the prediction drafter was looked at on the 12 edits of `--dataset code_edit_tune`)."),
     bench("predicted_polyglot", "Predicted outputs: code edits in Go, TypeScript, Rust, SQL and bash",
           "As the predicted outputs, on the packaged `code_edit_polyglot` requests (15 edits, three per language)."),
     Section("peer_spread", "Run-to-run spread of the ratios against llama.cpp",
