@@ -20,12 +20,13 @@ def test_expected_tokens_matches_the_geometric_sum():
 
 def test_the_engine_profiles_its_cost_curves(qwen2_tiny, qwen2_draft_tiny):
     from verispec import Engine, SamplingParams, SpecConfig
+    from verispec.engine.costs import PROFILE_WIDE
 
     engine = Engine.from_pretrained(qwen2_tiny.path, draft=qwen2_draft_tiny.path, dtype="float32", max_len=256,
                                     progress=False)
     spec = SpecConfig("draft", k=3, k_policy="cost")
     costs = engine.profile(k_max=3, context=16)
-    assert set(costs.target.curves[1].points) == {1, 2, 3, 4}
+    assert set(costs.target.curves[1].points) == {1, 2, 3, 4, *PROFILE_WIDE}
     assert costs.draft_s(1) > 0 and all(t > 0 for t in costs.target.curves[1].points.values())
     # The profile leaves the engine ready: a request afterwards decodes as before.
     params = SamplingParams(max_tokens=24, ignore_eos=True)
