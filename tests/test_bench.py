@@ -243,6 +243,7 @@ def test_demo_runs_llamacpp_where_the_extra_is_installed(monkeypatch: pytest.Mon
                             lambda name, *a, _i=installed: (object() if _i else None) if name == "llama_cpp"
                             else real(name, *a))
         assert demo_options("out").peers == (["llamacpp"] if installed else [])
+        assert demo_options("out").peer_methods == (["llamacpp-plain"] if installed else [])
 
 
 def test_the_demo_runs_packaged_prompts_with_long_answers() -> None:
