@@ -132,10 +132,10 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
                             opts.n, opts.seed, opts.mt_bench_turns, opts.prompt_field, not opts.raw,
                             opts.categories)
     if opts.ids:
-        missing = sorted(set(opts.ids) - {p.id for p in prompts})
-        if missing:
+        wanted = set(opts.ids)
+        if missing := sorted(wanted - {p.id for p in prompts}):
             raise VerispecError(f"--ids: no prompt {', '.join(missing)} in dataset '{opts.dataset}'")
-        prompts = [p for p in prompts if p.id in set(opts.ids)]
+        prompts = [p for p in prompts if p.id in wanted]
     out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
     peer_errors = _check_peers(opts)  # a peer that cannot run is reported now, and the run goes on without it
