@@ -285,3 +285,37 @@ def test_n_choices_are_independent_draws_of_the_target(engine, small_vocab_targe
     assert gof_pvalue(counts, joint) > ALPHA
     shared = draw_pairs(engine, [(i, i) for i in range(600)], spec)
     assert np.trace(shared) == 600 and gof_pvalue(shared, joint) < ALPHA
+
+
+def test_a_hybrid_row_trusts_only_lookups_its_grammar_accepts(chat_engine, monkeypatch):
+    """A lookup is weighed on the tokens its grammar accepts: one refused at its first token is not trusted, and
+    the step drafts with the draft model instead of decoding plainly."""
+    import verispec.engine.step as step
+    from verispec.drafters.base import Proposal
+    from verispec.drafters.ngram import NgramDrafter
+
+    refused = chat_engine.tokenizer.convert_tokens_to_ids("write")  # a word the regex does not allow
+
+    def long_match_of_refused_words(self, seq, k, params, generator):
+        self.last_match = 4
+        return Proposal([refused] * k)
+
+    trusted: list[tuple[int, int]] = []  # (tokens offered, tokens the grammar kept) per trusted-lookup step
+    grammatical = step._grammatical
+
+    def spy(p, r):
+        out = grammatical(p, r)
+        if r.lookup is not None:
+            trusted.append((len(p.tokens), len(out.tokens)))
+        return out
+
+    c, params = Constraint.regex(WORDS_REGEX), SamplingParams(max_tokens=30)
+    prompts = ["write code about the cat", "what is 1 + 2 ?"]
+    plain = chat_engine.generate(prompts, params, chat=True, constraint=c)
+    monkeypatch.setattr(NgramDrafter, "propose", long_match_of_refused_words)
+    monkeypatch.setattr(step, "_grammatical", spy)
+    out = chat_engine.generate(prompts, params, SpecConfig(method="hybrid", k=4, k_policy="fixed"), chat=True,
+                               constraint=c)
+    assert [r.token_ids for r in out] == [r.token_ids for r in plain]
+    assert not trusted  # every lookup was refused, so none was trusted ...
+    assert sum(r.metrics.drafted for r in out) > 0  # ... and the draft model drafted those steps

@@ -101,6 +101,24 @@ def test_a_trusted_lookup_is_offered_as_free_and_proposed_once():
     assert short.propose([1, 2, 3], 2, GREEDY, None).tokens == []
 
 
+def test_a_lookup_is_weighed_on_what_the_grammar_accepts():
+    """Under a grammar, a lookup counts only its accepted tokens: refused ones leave the step to the model."""
+    def allowed(ok):
+        return lambda tokens: next((i for i, t in enumerate(tokens) if t not in ok), len(tokens))
+
+    h = HybridDrafter(Fake("ngram", [5, 6, 7], match=3))
+    assert h.free_tokens([1, 2, 3], 4, GREEDY, None, allowed({5, 6})) == 2
+    assert h.propose([1, 2, 3], 4, GREEDY, None).tokens == [5, 6]
+    model = Fake("draft", [9, 9])
+    h = HybridDrafter(Fake("ngram", [5, 6, 7], match=3), model=model)
+    assert h.free_tokens([1, 2, 3], 4, GREEDY, None, allowed({6, 7})) == 0  # refused at once: untrusted
+    assert h.drafting() is model
+    # The retrieval lookup the grammar accepts wins over a longer match it refuses.
+    h = HybridDrafter(Fake("ngram", [5, 6], match=4), Fake("retrieval", [7, 8], match=3))
+    assert h.free_tokens([1, 2, 3], 4, GREEDY, None, allowed({7, 8})) == 2
+    assert h.propose([1, 2, 3], 4, GREEDY, None).tokens == [7, 8]
+
+
 # -- with a draft model -----------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

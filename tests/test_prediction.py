@@ -39,6 +39,16 @@ def test_a_new_answer_is_offered_the_prediction_from_its_start():
     assert offer(started(), []) == REF[:8]
 
 
+def test_under_a_grammar_the_prediction_offers_what_it_accepts():
+    d = started()
+    assert d.free_tokens(PROMPT, 8, GREEDY, None, lambda tokens: 3) == 3
+    assert d.propose(PROMPT, 8, GREEDY, None).tokens == REF[:3]
+    inner = started()  # a prediction refused at once leaves the step to its inner drafter
+    d = PredictionDrafter(REF, inner, inner_k=4)
+    d.begin(PROMPT)
+    assert d.free_tokens(PROMPT, 8, GREEDY, None, lambda tokens: 0) == 0 and not d.offering
+
+
 def test_the_cursor_follows_an_output_that_repeats_the_prediction():
     d = started()
     assert offer(d, []) == REF[:8]

@@ -100,6 +100,8 @@ def test_free_tokens_offers_the_proposal_it_then_makes():
     assert d.propose(seq, 8, GREEDY, None).probs is None  # deterministic
     assert d.free_tokens(seq, 8, GREEDY, None) == 3 and d.propose(seq, 2, GREEDY, None).tokens == [7, 8]
     assert SuffixDrafter(None).free_tokens([1, 2, 3], 8, GREEDY, None) == 0  # nothing occurred before
+    # Under a grammar the offer holds only what it accepts (here: the first token).
+    assert d.free_tokens(seq, 8, GREEDY, None, lambda tokens: 1) == 1 and d.propose(seq, 8, GREEDY, None).tokens == [7]
 
 
 def fresh(tokens: list[int]) -> RequestIndex:

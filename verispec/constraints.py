@@ -247,8 +247,6 @@ class RowLogits:
         back on the request's own: its state only ever moves forward with the output. A chain's paths extend
         one another, so one copy walks them all.
         """
-        from llguidance.torch import fill_next_token_bitmask
-
         bits = torch.full((len(paths), (self.vocab_size + 31) // 32), -1, dtype=torch.int32)
         walker, walked, refused = None, [], False
         for i, path in enumerate(paths):
@@ -256,7 +254,7 @@ class RowLogits:
                 if self._now is not None and self._now[0] == self._seen:
                     bits[i] = self._now[1]
                 else:
-                    fill_next_token_bitmask(self.matcher, bits, i)
+                    _fill_mask(self.matcher, bits, i)
                 continue
             if walker is None or path[: len(walked)] != walked or refused:
                 walker, walked, refused = self.matcher.deep_copy(), [], False
@@ -265,5 +263,15 @@ class RowLogits:
             walked = walked + rest[:taken]
             refused = taken < len(rest)
             if not refused:
-                fill_next_token_bitmask(walker, bits, i)
+                _fill_mask(walker, bits, i)
         return bits
+
+
+def _fill_mask(matcher: Any, bits: torch.Tensor, i: int) -> None:
+    """Write ``matcher``'s next-token bitmask into row ``i`` of ``bits`` (int32, contiguous, on the CPU).
+
+    llguidance.torch has this helper, but importing that module imports torch.compile: about 2 s added to the
+    first constrained request of every process.
+    """
+    row = bits[i]
+    matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -15,6 +15,10 @@ if TYPE_CHECKING:
     from verispec.constraints import RowLogits
     from verispec.models.kv_cache import KVCache
     from verispec.models.llama import Transformer
+
+
+Allowed = Callable[[list[int]], int]
+"""How many leading tokens of a draft a row's grammar accepts after its sequence."""
 
 
 class DraftingRow(Protocol):
@@ -144,12 +148,15 @@ class Drafter(ABC):
         """The step's draft came from :meth:`drafting`'s lockstep, not from :meth:`propose` (a drafter that
         tallies its sources counts it)."""
 
-    def free_tokens(self, seq: list[int], k: int, params: SamplingParams, generator: torch.Generator | None) -> int:
+    def free_tokens(self, seq: list[int], k: int, params: SamplingParams, generator: torch.Generator | None,
+                    allowed: Allowed | None = None) -> int:
         """How many tokens (at most ``k``) this drafter would propose here at no draft cost and trusts.
 
         A lookup with a long match costs nothing to make, so the engine drafts it whatever its k
         policy would choose (even plain decoding); the next :meth:`propose` for ``seq`` returns it.
-        0 (the default) leaves the choice to the k policy.
+        0 (the default) leaves the choice to the k policy. ``allowed``, for a row with a grammar, says how
+        many leading tokens of a draft the grammar accepts: an offer holds only those, so a lookup the
+        grammar refuses leaves the step to the draft model rather than to plain decoding.
         """
         return 0
 

@@ -19,7 +19,7 @@ from collections import Counter
 
 import torch
 
-from verispec.drafters.base import Drafter, Proposal
+from verispec.drafters.base import Allowed, Drafter, Proposal
 from verispec.drafters.ngram import NgramDrafter
 from verispec.drafters.retrieval import RetrievalDrafter
 from verispec.drafters.suffix import SuffixDrafter
@@ -49,8 +49,9 @@ class HybridDrafter(Drafter):
         # (len(seq), (source, lookup)) from free_tokens: offered, counted only once drafted
         self._offered: tuple[int, tuple[str, Proposal] | None] | None = None
 
-    def free_tokens(self, seq: list[int], k: int, params: SamplingParams, generator: torch.Generator | None) -> int:
-        best = self._best_lookup(seq, k, params, generator)
+    def free_tokens(self, seq: list[int], k: int, params: SamplingParams, generator: torch.Generator | None,
+                    allowed: Allowed | None = None) -> int:
+        best = self._best_lookup(seq, k, params, generator, allowed)
         self._offered = (len(seq), best)
         return 0 if best is None else len(best[1].tokens)
 
@@ -86,9 +87,10 @@ class HybridDrafter(Drafter):
         self.counts["none"] += 1
         return Proposal([])
 
-    def _best_lookup(self, seq: list[int], k: int, params: SamplingParams,
-                     generator: torch.Generator | None) -> tuple[str, Proposal] | None:
-        """The lookup proposal with the longest trusted match and its source's name, or None."""
+    def _best_lookup(self, seq: list[int], k: int, params: SamplingParams, generator: torch.Generator | None,
+                     allowed: Allowed | None = None) -> tuple[str, Proposal] | None:
+        """The lookup proposal with the longest trusted match and its source's name, or None; with ``allowed``
+        (a grammar) each proposal holds only what the grammar accepts before it is weighed."""
         best: tuple[int, str, Proposal] | None = None
         # The context's match cannot exceed its lookup's max_n, so hold it to at most that.
         lookups: list[tuple[Drafter, int]] = [(self.lookup, min(self.min_match, self.lookup.max_n))]
@@ -96,6 +98,8 @@ class HybridDrafter(Drafter):
             lookups.append((self.retrieval, self.min_match))
         for drafter, threshold in lookups:
             proposal = drafter.propose(seq, k, params, generator)
+            if allowed is not None and proposal.parents is None and proposal.tokens:
+                proposal = proposal.cut(allowed(proposal.tokens))
             match = drafter.last_match
             # Strictly longer wins, so the context's own lookup beats the datastore on a tie.
             if match >= threshold and len(proposal.tokens) >= min(2, k) and (best is None or match > best[0]):

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from verispec.drafters.base import Drafter, Proposal
+from verispec.drafters.base import Allowed, Drafter, Proposal
 from verispec.drafters.suffix import ANCHOR, RequestIndex, _match_length
 from verispec.sampling import SamplingParams
 
@@ -79,12 +79,17 @@ class PredictionDrafter(Drafter):
         if self.inner is not None and prompt:
             self.inner.begin(prompt)
 
-    def free_tokens(self, seq: list[int], k: int, params: SamplingParams, generator: torch.Generator | None) -> int:
+    def free_tokens(self, seq: list[int], k: int, params: SamplingParams, generator: torch.Generator | None,
+                    allowed: Allowed | None = None) -> int:
         run = self._run(seq, k)
+        if run is not None and allowed is not None:
+            run = run.cut(allowed(run.tokens)) if run.tokens else run
+            run = run if run.tokens else None
         self._offered, self.offering = (len(seq), run), run is not None
         if run is not None:
             return len(run.tokens)
-        return self.inner.free_tokens(seq, min(k, self.inner_k), params, generator) if self.inner is not None else 0
+        return (self.inner.free_tokens(seq, min(k, self.inner_k), params, generator, allowed)
+                if self.inner is not None else 0)
 
     def propose(self, seq: list[int], k: int, params: SamplingParams, generator: torch.Generator | None) -> Proposal:
         offered, self._offered = self._offered, None

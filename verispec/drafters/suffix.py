@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from verispec.config import SpecConfig
-from verispec.drafters.base import Drafter, Proposal
+from verispec.drafters.base import Allowed, Drafter, Proposal
 from verispec.drafters.retrieval import continuation_tree
 from verispec.sampling import SamplingParams
 
@@ -207,9 +207,12 @@ class SuffixDrafter(Drafter):
             self.outputs.add(seq[max(0, self.prompt_len - self.max_n):])
         self.begin([])  # the request's index is not needed past its end
 
-    def free_tokens(self, seq: list[int], k: int, params: SamplingParams, generator: torch.Generator | None) -> int:
+    def free_tokens(self, seq: list[int], k: int, params: SamplingParams, generator: torch.Generator | None,
+                    allowed: Allowed | None = None) -> int:
         # The draft's length already follows its confidence: the engine drafts it whatever its k policy says.
         proposal, _ = self._draft(seq, k)
+        if allowed is not None and proposal.parents is None and proposal.tokens:
+            proposal = proposal.cut(allowed(proposal.tokens))  # a tree's refused nodes are pruned by the step
         self._offered = (len(seq), proposal)
         return len(proposal.tokens)
 

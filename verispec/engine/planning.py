@@ -52,7 +52,9 @@ def plan_row(req: Request, room: int, target_token_s: Callable[[], float]) -> Ro
     # Without one a hybrid row drafts with the draft model (its drafter's ``drafting()``).
     drafter = req.drafter
     assert drafter is not None  # a row with something to offer speculates
-    free = drafter.free_tokens(req.seq, offer, req.params, req.generator)
+    grammar = req.processor if req.processor is not None and req.processor.grammar else None
+    allowed = None if grammar is None else (lambda tokens: grammar.allowed(req.seq, tokens))
+    free = drafter.free_tokens(req.seq, offer, req.params, req.generator, allowed)
     source_drafter = drafter.drafting()
     lockstep = source_drafter.lockstep is not None
     source = req.prediction_acceptance if req.predictor and req.predictor.offering else req.lookup_acceptance
