@@ -7,7 +7,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-docs/results}
-STEPS=${STEPS:-report ablation structured processing code_edit trees stability concurrency prefix_reuse server sampling verify_cost kernels q8 fused_paths int4_long int4_long_q8 predicted predicted_polyglot peer_spread}
+STEPS=${STEPS:-report ablation structured processing code_edit trees stability concurrency prefix_reuse server sampling verify_cost kernels q8 quality fused_paths int4_long int4_long_q8 predicted predicted_polyglot peer_spread}
 V=.venv/bin/verispec
 PY=.venv/bin/python
 PAIR=(--model qwen2.5-coder-1.5b-instruct --draft qwen2.5-coder-0.5b-instruct --dtype bfloat16 --weights dense
@@ -56,12 +56,12 @@ for step in $STEPS; do
                   # answers constrained to their schema against unconstrained, plain and under the defaults, with
                   # schema validity and the constraint's time per token (no setting was tuned on these prompts)
       $V bench "${INT4_PAIR[@]}" --methods none,none:constrain=1,hybrid,hybrid:constrain=1 --dataset json_extract --n 30 \
-        --max-tokens 512 --repeats 1 --no-progress --out "$D"
+        --max-tokens 1024 --repeats 1 --no-progress --out "$D"
       # the grammar engines' mask time per token (xgrammar and outlines-core measured where installed beside)
       $PY -m verispec.bench.grammar_engines --out "$D/engines" ;;
-    processing)   # what penalties and logprobs cost plain decoding (report split, Spec-Bench seed 1), 2 repeats
+    processing)   # what penalties and logprobs cost plain decoding (report split, Spec-Bench seed 1), 3 repeats
       $V bench "${INT4_PAIR[@]}" --methods none,none:presence_penalty=0.5,frequency_penalty=0.5,none:logprobs=5 \
-        --dataset spec_bench --per-category 1 --seed 1 --max-tokens 128 --repeats 2 --no-progress --out "$D" ;;
+        --dataset spec_bench --per-category 2 --seed 1 --max-tokens 256 --repeats 3 --no-progress --out "$D" ;;
     stability)    # odd inputs (context limits, markup, emoji, control characters), plain against speculative
       $V bench "${PAIR[@]}" "${SPEC[@]}" --methods draft,ngram --dataset humaneval --n 1 --max-tokens 16 --max-len 1024 \
         --stability --no-progress --out "$D" ;;
@@ -84,11 +84,13 @@ for step in $STEPS; do
         | tee "$D/verify_cost.md" ;;
     kernels)      # per-projection t(M): PyTorch's stock kernels against verispec's small-M kernels (and q8)
       $PY bench/kernel_bench.py --m-max 16 | tee "$D/kernels.md" ;;
-    q8)           # the int4 pair on 8-bit activations against the bf16 kernels, plain and the defaults, one engine
-                  # per kernels; the report split's Spec-Bench sample and the first 4 of the other sets
-      $V bench "${INT4_PAIR[@]}" --methods none,hybrid,none:kernels=q8,hybrid:kernels=q8 \
+    q8)           # --kernels auto (the activation path it chooses here) against bf16 activations, plain and the
+                  # defaults, one engine per kernels; the report split's Spec-Bench sample and the first 4 of the others
+      $V bench "${INT4_PAIR[@]}" --methods none,hybrid,none:kernels=bf16,hybrid:kernels=bf16 \
         --dataset spec_bench,humaneval:100-103,chat_code,code_edit --per-category 1 --seed 1 --n 4 --max-tokens 128 \
         --repeats 2 --max-len 2048 --no-progress --out "$D" ;;
+    quality)      # the kernels' quality gate: perplexity under bf16 and 8-bit activations and llama.cpp, pass@1
+      $V bench --quality --model qwen2.5-coder-1.5b-instruct --weights int4 --out "$D" ;;
     fused_paths)  # fused attend against SDPA in the prefill; lean against module projection calls in decode
       $PY bench/fused_paths.py --json "$D/fused_paths.json" | tee "$D/fused_paths.md" ;;
     int4_long)    # the report split plus the code edits, 256 new tokens (where the prefill weighs little): plain

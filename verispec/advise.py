@@ -103,6 +103,7 @@ def advise(engine: Engine, prompts: list[str] | None = None, k_max: int = 16, to
         "recommended": {"method": top.method, "k": top.best_k, "predicted": rec_pred, "measured": rec_meas,
                         "prediction_error": abs(rec_pred - rec_meas) / rec_meas},
         "verdict": verdict, "why": why,
+        "kernels": {k: engine.describe()[k] for k in ("kernels", "activations", "activations_reason")},
     }
     if out:
         Path(out).mkdir(parents=True, exist_ok=True)
@@ -150,4 +151,8 @@ def format_advice(r: dict) -> str:
     lines += ["", f"recommended: --method {rec['method']} -k {rec['k']}  (predicted {rec['predicted']:.2f}x, "
               f"measured {rec['measured']:.2f}x, prediction error {rec['prediction_error']:.0%})",
               f"verdict: {r['verdict']}", f"why: {r['why']}"]
+    kern = r.get("kernels")
+    if kern and kern["activations"]["target"]:
+        lines.append("kernels: " + "; ".join(f"{who} on {path} activations ({kern['activations_reason'][who]})"
+                                            for who, path in kern["activations"].items() if path))
     return "\n".join(lines)

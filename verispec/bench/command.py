@@ -600,6 +600,8 @@ def add_parser(sub: Any, add_engine_args: Callable[[argparse.ArgumentParser], No
     b.add_argument("--lookup-tokens", type=int, default=10, help="draft tokens per prompt lookup of the peers: "
                    "hf-prompt-lookup's prompt_lookup_num_tokens, llamacpp-prompt-lookup's num_pred_tokens")
     b.add_argument("--stability", action="store_true", help="also run the stability suite")
+    b.add_argument("--quality", action="store_true", help="run the kernels' quality gate instead: perplexity and "
+                   "HumanEval pass@1 of --model under each int4/int8 kernel path and llama.cpp (see docs/bench.md)")
     b.add_argument("--stability-max-tokens", type=int, default=16)
     b.add_argument("--out", default="bench_out", help="output folder")
     b.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -610,6 +612,13 @@ def add_parser(sub: Any, add_engine_args: Callable[[argparse.ArgumentParser], No
 def cmd_bench(args: argparse.Namespace) -> int:
     from verispec.bench.clients import parse_clients
     from verispec.bench.methods import parse_ints
+
+    if args.quality:
+        from verispec.bench.quality import run_quality
+
+        run_quality(args.model, args.out, weights=args.weights, dtype=args.dtype)
+        print((Path(args.out) / "quality.md").read_text(), end="")
+        return 0
 
     opts = BenchOptions(
         model=args.model, draft=args.draft, methods=args.methods, dataset=args.dataset, spec_bench=args.spec_bench,

@@ -369,10 +369,12 @@ def bench_headline(folder: Path) -> str:
     return out
 
 
-def structured_ratios(report: dict[str, Any]) -> tuple[float, float] | None:
+def structured_ratios(report: dict[str, Any], decode: bool = False) -> tuple[float, float] | None:
     """(constrained plain over plain tokens/s, the constrained default's speedup over its own plain decoding
-    as a share of the unconstrained default's), or None where the run lacks a method."""
-    tps = {r["method"]: r["tokens_per_s"] for r in report["summary"]}
+    as a share of the unconstrained default's), or None where the run lacks a method. ``decode``: tokens/s
+    outside the prompts' prefill (which a constraint does not touch, and which weighs more in shorter answers)."""
+    tps = {r["method"]: r["tokens"] / (r["wall_s"] * (1 - r["stage_share"]["prefill"])) if decode
+           else r["tokens_per_s"] for r in report["summary"] if r["category"] == "overall"}
     need = ("plain", "none:constrain=1", "hybrid", "hybrid:constrain=1")
     if not all(tps.get(m) for m in need):
         return None
@@ -387,6 +389,10 @@ def structured_section(folder: Path, base: Path) -> list[str]:
         out += [f"Constrained plain decoding makes **{ratios[0]:.2f}x** the tokens/s of unconstrained plain "
                 f"decoding; the constrained default keeps **{ratios[1]:.2f}x** of the unconstrained default's speedup "
                 "over plain decoding (each over its own plain decoding).", ""]
+    if (dec := structured_ratios(report, decode=True)) is not None:
+        out += [f"Outside the prefill, where a constraint changes nothing, the same ratios are {dec[0]:.2f}x and "
+                f"{dec[1]:.2f}x: constrained answers are shorter, so the same prompts' prefill weighs more in their "
+                "tokens/s.", ""]
     if report.get("structured"):
         out += ["Answers that parse as JSON and follow their schema, and the constraint's time per token:", "",
                 structured_markdown(report["structured"]), ""]
@@ -577,6 +583,14 @@ def q8_headline(folder: Path) -> str:
     return "tokens/s on 8-bit activations over the bf16 kernels': " + ", ".join(cells)
 
 
+def quality_headline(folder: Path) -> str:
+    paths = load(folder / "quality.json")["paths"]
+    base = next(p for p in paths if p["path"].startswith("bf16"))
+    cells = [f"{p['path']} {p['perplexity']:.3f} ({100 * (p['perplexity'] / base['perplexity'] - 1):+.2f}%)"
+             + (f", pass@1 {p['passed']}/{p['problems']}" if p["problems"] else "") for p in paths]
+    return "perplexity: " + "; ".join(cells)
+
+
 def sampling_headline(folder: Path) -> str:
     cells = [f"{r['mode']} {r['vs_greedy']:.2f}x" for r in load(folder / "sampling_speed.json")["rows"]
              if "vs_greedy" in r]
@@ -663,8 +677,8 @@ SECTIONS: list[Section] = [
             "verispec.bench.grammar_engines`, with xgrammar and outlines-core installed beside llguidance).",
             structured_section, structured_headline, "report.md", own=True),
     bench("processing", "What penalties and logprobs cost",
-          "The int4 pair, plain decoding on the report split's Spec-Bench prompts (seed 1, one per category), "
-          "128 new tokens, 2 repeats: without processing, with presence and frequency penalties of 0.5, and with "
+          "The int4 pair, plain decoding on the report split's Spec-Bench prompts (seed 1, two per category), "
+          "256 new tokens, 3 repeats: without processing, with presence and frequency penalties of 0.5, and with "
           "`logprobs=5` (each token's log-probability and the five likeliest)."),
     bench("code_edit", "Code edits: lookups that copy the prompt",
           "The int4 pair on the packaged `code_edit` requests (rewrite a quoted Python function), 256 new tokens: "
@@ -737,6 +751,13 @@ SECTIONS: list[Section] = [
            "The int4 pair with `--kernels q8` (int4/int8 layers on 8-bit activations, AVX-512 "
            "VNNI) against verispec's bf16 kernels, two engines decoding the same report-split prompts, plainly and "
            "under verispec's defaults, side by side.", "q8_speed", q8_headline),
+    script("quality", "Quality gate for the kernels",
+           "`verispec bench --quality`: the int4 target's perplexity on about 6,000 tokens of code (HumanEval "
+           "canonical solutions 120-163) and prose (standard-library docstrings), scored 8 tokens per forward as "
+           "a verification step scores them, under bf16 and 8-bit activations and under llama.cpp on the same "
+           "GGUF, and pass@1 on HumanEval problems 100-119 (greedy) under each activation path. A path passes "
+           "within 0.5% of bf16 activations' perplexity; `--kernels auto` reads the measurement.", "quality",
+           quality_headline),
     script("fused_paths", "Fused forward paths",
            "`bench/fused_paths.py`: the prefill's attention through the fused `attend` kernel against SDPA, and "
            "decode steps with projections called straight into the kernels against module calls, and decode steps "

@@ -10,7 +10,9 @@ import torch
 from verispec import hub
 from verispec.config import K_MAX, PLAIN, EngineConfig, SpecConfig, resolve_dtype
 from verispec.constraints import Constraint, GrammarTokenizer, RowLogits, processes
+from verispec.engine import kernel_choice
 from verispec.engine.draft_runner import MAX_LOCKSTEP_FEED
+from verispec.engine.kernel_choice import activations
 from verispec.errors import VerispecError
 from verispec.log import logger
 from verispec.models.linear import matmul_kernels
@@ -85,6 +87,9 @@ def load_models(config: EngineConfig) -> Models:
         ddtype = resolve_dtype(config.draft_dtype or config.dtype, config.draft_device)
         draft_model = build_model(dsrc, ddtype, config.draft_weights, config.progress,
                                   kernels=config.kernels).to(config.draft_device)
+    for model, name, is_target in ((target, config.model, True), (draft_model, draft, False)):
+        if model is not None and config.tp == 1:
+            model.activation_reason = kernel_choice.choose(model, str(name), config.kernels, is_target).reason
     logger.info("loaded %s (%s, %s)%s", src.path.name, dtype, config.weights,
                 f" with draft {draft} ({config.draft_weights})" if draft else "")
     return Models(config, target, tokenizer, set(src.eos_token_ids), draft_model, draft_tok)
@@ -243,7 +248,8 @@ def describe(config: EngineConfig, target: Transformer, draft: Transformer | Non
     draft model), the target's compute dtype, the speculation settings (``confidence`` is the
     threshold in force, 0 when off; ``draft_vocab`` / ``draft_window`` None when off) and
     ``kernels``: which matmuls the projections run, ``"verispec"`` (:mod:`verispec.kernels`),
-    ``"stock"`` (PyTorch's) or ``"mixed"``.
+    ``"stock"`` (PyTorch's) or ``"mixed"``; ``activations``: what each model's int4/int8 layers multiply,
+    ``"bf16"``, ``"q8"`` (8-bit) or None, and ``activations_reason`` why (:mod:`verispec.engine.kernel_choice`).
     """
     has_draft = draft is not None
     return {"model": config.model, "draft": config.draft if has_draft else None,
@@ -251,4 +257,7 @@ def describe(config: EngineConfig, target: Transformer, draft: Transformer | Non
             "dtype": str(target.dtype).removeprefix("torch."), "method": spec.method,
             "k_policy": spec.k_policy, "k": spec.k, "confidence": spec.min_confidence,
             "draft_vocab": spec.draft_vocab, "draft_window": spec.draft_window,
-            "kernels": matmul_kernels(target, draft)}
+            "kernels": matmul_kernels(target, draft),
+            "activations": {"target": activations(target), "draft": activations(draft) if has_draft else None},
+            "activations_reason": {"target": getattr(target, "activation_reason", ""),
+                                   "draft": getattr(draft, "activation_reason", "") if has_draft else None}}

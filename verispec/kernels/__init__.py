@@ -43,9 +43,10 @@ import torch
 from verispec import hub
 from verispec.log import logger
 
-# auto: verispec's kernels where the CPU runs them (else PyTorch's); q8: the same, int4 and int8 layers
-# multiplying activations quantized to 8 bits per group of 32 (AVX-512 VNNI); stock: PyTorch's.
-KERNEL_CHOICES = ("auto", "q8", "stock")
+# auto: verispec's kernels where the CPU runs them (else PyTorch's), their activation path chosen per model at
+# load (verispec.engine.kernel_choice); bf16: int4 and int8 layers multiplying bf16 activations (AVX-512 BF16);
+# q8: the same on activations quantized to 8 bits per group of 32 (AVX-512 VNNI, or AVX2); stock: PyTorch's.
+KERNEL_CHOICES = ("auto", "bf16", "q8", "stock")
 # wo_gemm.cpp: the module (PYBIND11_MODULE) and the matmuls; small_ops.cpp: the fused small ops it registers.
 _SOURCES = (Path(__file__).with_name("wo_gemm.cpp"), Path(__file__).with_name("small_ops.cpp"))
 _CFLAGS = ["-O3", "-fopenmp"]  # plus -DVS_NS=<op namespace>
@@ -191,6 +192,9 @@ def use_fast(kernels: str) -> bool:
     if kernels == "q8" and not q8_available():
         why = why_unavailable() or "this CPU lacks AVX-512 VNNI"
         raise VerispecError(f"--kernels q8 needs verispec's kernels and AVX-512 VNNI or AVX2 ({why}); "
+                            "use auto or stock")
+    if kernels == "bf16" and not available():
+        raise VerispecError(f"--kernels bf16 needs verispec's AVX-512 BF16 kernels ({why_unavailable()}); "
                             "use auto or stock")
     return kernels != "stock" and available()
 

@@ -161,6 +161,8 @@ class Transformer(nn.Module):
         # Decode/verification steps through verispec.kernels' fused small ops (see _use_fused);
         # from_state_dict sets it when built with kernels="auto" on a CPU that runs them.
         self.fused_ops = False
+        # Why its int4/int8 layers multiply the activations they do (verispec.engine.kernel_choice; set at load).
+        self.activation_reason = ""
 
     @property
     def device(self) -> torch.device:

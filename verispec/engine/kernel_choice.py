@@ -1,0 +1,126 @@
+"""``--kernels auto``: the activation path each model's int4/int8 layers run on this host, chosen on evidence.
+
+verispec's int4/int8 layers multiply activations in bf16 (AVX-512 BF16) or quantized to 8 bits per group of
+32 (VNNI; llama.cpp does the same in its Q4_K dot products). Both read the same packed weights, so a loaded
+model switches between them without reloading. Where the CPU runs both, ``auto``:
+
+- drafts on whichever path is faster for the draft model: a draft's numbers never change the output (it is
+  verified), only how often its tokens are accepted;
+- runs the target on 8-bit activations only where the quality gate (``verispec bench --quality``) measured the
+  model's perplexity within :data:`~verispec.bench.quality.GATE_PPL` of bf16 activations' (recorded per
+  registry model, ``ModelEntry.q8_perplexity_change``), and only where 8-bit activations are faster here.
+
+"Faster" is timed at load: a decode step and a verification step (1 and 8 tokens) of each model on each path,
+the median of a few runs, and 8-bit activations must win by :data:`MARGIN`. Where the CPU runs one path only
+(AVX2 without AVX-512 BF16: 8-bit activations; AVX-512 BF16 without VNNI: bf16) the models were built on it.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from verispec import hub
+from verispec import kernels as fast_kernels
+from verispec.models.linear import Int4Linear, Int8Linear
+from verispec.models.llama import Transformer
+
+MARGIN = 0.03  # 8-bit activations must be this much faster (a share of the bf16 path's time) to be chosen
+# The quality gate: a target runs 8-bit activations only if they raise its perplexity by at most this share
+# (verispec.bench.quality measures it).
+GATE_PPL = 0.005
+WIDTHS = (1, 8)  # a decode step and a verification step
+CONTEXT = 256  # tokens the timed steps attend to
+REPEATS = 5
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """What one model's int4/int8 layers run and why: ``activations`` "bf16", "q8" or None (no fast layers)."""
+
+    activations: str | None
+    reason: str
+
+
+def activations(model: Transformer | None) -> str | None:
+    """"q8" or "bf16" when every fast int4/int8 layer of ``model`` runs that path, "mixed", or None without any."""
+    paths = {"q8" if m.q8 else "bf16" for m in _fast_layers(model)}
+    return None if not paths else paths.pop() if len(paths) == 1 else "mixed"
+
+
+def set_q8(model: Transformer, q8: bool) -> None:
+    """Switch every fast int4/int8 layer of ``model`` to 8-bit (``q8``) or bf16 activations (int8 layers whose
+    input width is not whole groups of 32 keep bf16)."""
+    for m in _fast_layers(model):
+        m.q8 = q8 and (not isinstance(m, Int8Linear) or m.in_features % 32 == 0)
+
+
+def _fast_layers(model: Transformer | None) -> list[Int4Linear | Int8Linear]:
+    if model is None:
+        return []
+    return [m for m in model.modules() if isinstance(m, Int4Linear | Int8Linear) and m.fast]
+
+
+def both_paths() -> bool:
+    """Whether this CPU runs int4/int8 layers on bf16 and on 8-bit activations."""
+    return fast_kernels.available() and fast_kernels.q8_available()
+
+
+def gate_passed(model: str) -> tuple[bool, str]:
+    """Whether the quality gate holds for ``model`` (a registry name or a model file), and what it measured."""
+    entry = hub.REGISTRY.get(str(model)) or next((e for e in hub.REGISTRY.values()
+                                                   if str(model).endswith(e.filename)), None)
+    if entry is None or entry.q8_perplexity_change is None:
+        return False, "no quality-gate measurement for this model"
+    change = entry.q8_perplexity_change
+    return change <= GATE_PPL, f"perplexity {100 * change:+.2f}% under 8-bit activations"
+
+
+@torch.inference_mode()
+def step_seconds(model: Transformer) -> float:
+    """The summed median seconds of one step per width in :data:`WIDTHS`, after :data:`CONTEXT` cached tokens."""
+    cache = model.new_cache(1, CONTEXT + max(WIDTHS))
+    dev = model.device
+    model(torch.zeros(1, CONTEXT, dtype=torch.long, device=dev), torch.arange(CONTEXT, device=dev)[None], cache,
+          last_only=True)
+    total = 0.0
+    for w in WIDTHS:
+        tokens = torch.zeros(1, w, dtype=torch.long, device=dev)
+        pos = torch.arange(CONTEXT, CONTEXT + w, device=dev)[None]
+        times = []
+        for _ in range(REPEATS + 1):  # the first warms up
+            t0 = time.perf_counter()
+            model(tokens, pos, cache)
+            times.append(time.perf_counter() - t0)
+        total += statistics.median(times[1:])
+    return total
+
+
+def choose(model: Transformer, name: str, kernels: str, target: bool) -> KernelChoice:
+    """Set ``model``'s activation path for ``kernels`` and say which it runs and why; ``name`` is the model as
+    the user named it, ``target`` False for a draft model (no quality gate: it cannot change the output)."""
+    built = activations(model)
+    if built is None:
+        return KernelChoice(None, "no int4/int8 layer runs verispec's kernels")
+    if kernels != "auto":
+        return KernelChoice(built, f"--kernels {kernels}")
+    if not both_paths() or model.device.type != "cpu":
+        return KernelChoice(built, "the only activation path this CPU runs")
+    if target:
+        ok, measured = gate_passed(name)
+        if not ok:
+            set_q8(model, False)
+            return KernelChoice("bf16", f"bf16 activations: {measured} (gate: within {100 * GATE_PPL:.1f}%)")
+    set_q8(model, False)
+    bf16 = step_seconds(model)
+    set_q8(model, True)
+    q8 = step_seconds(model)
+    timed = f"a step takes {1e3 * q8:.1f} ms on 8-bit activations, {1e3 * bf16:.1f} ms on bf16"
+    gated = f"{measured}, " if target else ""
+    if q8 < bf16 * (1 - MARGIN):
+        return KernelChoice("q8", f"8-bit activations: {gated}{timed}")
+    set_q8(model, False)
+    return KernelChoice("bf16", f"bf16 activations: {gated}{timed}")
