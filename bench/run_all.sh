@@ -56,7 +56,7 @@ for step in $STEPS; do
                   # answers constrained to their schema against unconstrained, plain and under the defaults, with
                   # schema validity and the constraint's time per token (no setting was tuned on these prompts)
       $V bench "${INT4_PAIR[@]}" --methods none,none:constrain=1,hybrid,hybrid:constrain=1 --dataset json_extract --n 30 \
-        --max-tokens 1024 --repeats 1 --no-progress --out "$D"
+        --max-tokens 512 --repeats 1 --no-progress --out "$D"
       # the grammar engines' mask time per token (xgrammar and outlines-core measured where installed beside)
       $PY -m verispec.bench.grammar_engines --out "$D/engines" ;;
     processing)   # what penalties and logprobs cost plain decoding (report split, Spec-Bench seed 1), 3 repeats

@@ -15,6 +15,14 @@ BOTH = kernel_choice.both_paths()
 both_only = pytest.mark.skipif(not BOTH, reason="this CPU runs one int4/int8 activation path only")
 
 
+@pytest.fixture(autouse=True)
+def timings_store(tmp_path, monkeypatch):
+    """Each test keeps its own record of timed choices."""
+    path = tmp_path / "activations.json"
+    monkeypatch.setattr(kernel_choice, "_store", lambda: path)
+    return path
+
+
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
     path = tmp_path_factory.mktemp("choice") / "m"
@@ -77,3 +85,20 @@ def test_the_gate_reads_the_registry(monkeypatch):
     assert gate_passed("near")[0] and gate_passed("/models/near.gguf")[0]
     assert not gate_passed("far")[0] and "+1.00%" in gate_passed("far")[1]
     assert gate_passed("some/model.gguf") == (False, "no quality-gate measurement for this model")
+
+
+@both_only
+def test_a_timed_choice_is_kept_for_later_loads(folder, monkeypatch, timings_store):
+    """The first load times both paths; later loads of the model on this CPU read that outcome, so its numbers
+    do not change with how busy the machine was."""
+    monkeypatch.setattr(kernel_choice, "step_seconds", lambda model: 0.5 if activations(model) == "q8" else 1.0)
+    assert choose(int4(folder), "m", "auto", target=False).activations == "q8"
+    assert timings_store.is_file()
+
+    def no_timing(model):
+        raise AssertionError("timed again")
+
+    monkeypatch.setattr(kernel_choice, "step_seconds", no_timing)
+    model = int4(folder)
+    choice = choose(model, "m", "auto", target=False)
+    assert choice.activations == "q8" == activations(model) and "500.0 ms" in choice.reason

@@ -38,11 +38,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-device", help="the draft model's device (default: --device)")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the forwards with static shapes (CUDA graphs on GPUs); eager if it fails")
-    p.add_argument("--kernels", default="auto", choices=("auto", "q8", "stock"),
-                   help="int4/int8 matmul kernels: auto (verispec's small-M kernels on CPUs with AVX-512 BF16; "
-                   "on AVX2 CPUs without it, its int4/int8 kernels on 8-bit activations; else PyTorch's), q8 "
-                   "(int4/int8 layers on 8-bit activations: AVX-512 VNNI or AVX2, faster scoring of many "
-                   "tokens, slightly different numbers) or stock (always PyTorch's)")
+    p.add_argument("--kernels", default="auto", choices=("auto", "bf16", "q8", "stock"),
+                   help="int4/int8 matmul kernels: auto (verispec's small-M kernels where the CPU runs them, else "
+                   "PyTorch's; each model on bf16 or 8-bit activations, whichever a timing at load finds faster, "
+                   "a target on 8-bit only where the quality gate passed), bf16 (bf16 activations: AVX-512 BF16), "
+                   "q8 (8-bit activations: AVX-512 VNNI or AVX2; slightly different numbers) or stock (PyTorch's)")
     p.add_argument("--tp", type=int, default=int(os.environ.get("WORLD_SIZE", 1)),
                    help="tensor-parallel ranks for the target; launch with torchrun --nproc-per-node N "
                    "(default: WORLD_SIZE, else 1)")

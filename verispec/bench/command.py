@@ -268,6 +268,7 @@ def _report_head(opts: BenchOptions, engines: dict[str, Any], methods: list[Any]
         sampling = m.sampling(params)
         return {"kernels": kern, "quantized_kernels": fast_kernels.quantized_label(kern),
                 "matmul_kernels": engines[kern].describe()["kernels"],
+                "activations": engines[kern].describe()["activations"],
                 "sampling": {"temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k},
                 **({"reference": refs.get(m.label) or BASELINE} if refs else {})}
 
@@ -277,7 +278,8 @@ def _report_head(opts: BenchOptions, engines: dict[str, Any], methods: list[Any]
         "models": {"target": opts.model, "draft": config["draft"], "dtype": config["dtype"],
                    "weights": config["weights"], "draft_weights": config["draft_weights"], "max_len": opts.max_len,
                    "quantized_kernels": fast_kernels.quantized_label(opts.kernels),
-                   "kernels": config["kernels"]},
+                   "kernels": config["kernels"], "activations": config["activations"],
+                   "activations_reason": config["activations_reason"]},
         "machine": machine(), "versions": versions(),
         "methods": [{"label": m.label, "kind": kinds[m.label], "family": m.family, "from_sweep": m.from_sweep,
                      "predict": m.predict, "spec": spec_dict(m.spec), **run_as(m)} for m in methods],

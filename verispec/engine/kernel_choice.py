@@ -11,15 +11,20 @@ model switches between them without reloading. Where the CPU runs both, ``auto``
   registry model, ``ModelEntry.q8_perplexity_change``), and only where 8-bit activations are faster here.
 
 "Faster" is timed at load: a decode step and a verification step (1 and 8 tokens) of each model on each path,
-the median of a few runs, and 8-bit activations must win by :data:`MARGIN`. Where the CPU runs one path only
-(AVX2 without AVX-512 BF16: 8-bit activations; AVX-512 BF16 without VNNI: bf16) the models were built on it.
+the median of a few runs, and 8-bit activations must win by :data:`MARGIN`. The outcome is kept per CPU, thread
+count and model under ``$VERISPEC_HOME/kernels/activations.json`` and read by later loads, so a model's numbers
+on a host do not change from one process to the next with how busy the machine was when it loaded. Where the
+CPU runs one path only (AVX2 without AVX-512 BF16: 8-bit activations; AVX-512 BF16 without VNNI: bf16) the models
+were built on it.
 """
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -114,13 +119,50 @@ def choose(model: Transformer, name: str, kernels: str, target: bool) -> KernelC
         if not ok:
             set_q8(model, False)
             return KernelChoice("bf16", f"bf16 activations: {measured} (gate: within {100 * GATE_PPL:.1f}%)")
-    set_q8(model, False)
-    bf16 = step_seconds(model)
-    set_q8(model, True)
-    q8 = step_seconds(model)
-    timed = f"a step takes {1e3 * q8:.1f} ms on 8-bit activations, {1e3 * bf16:.1f} ms on bf16"
     gated = f"{measured}, " if target else ""
-    if q8 < bf16 * (1 - MARGIN):
-        return KernelChoice("q8", f"8-bit activations: {gated}{timed}")
-    set_q8(model, False)
-    return KernelChoice("bf16", f"bf16 activations: {gated}{timed}")
+    key = f"{_cpu()}|{torch.get_num_threads()} threads|{name}"
+    known = _timings().get(key)
+    if known is None:
+        set_q8(model, False)
+        bf16 = step_seconds(model)
+        set_q8(model, True)
+        known = {"q8_s": step_seconds(model), "bf16_s": bf16}
+        _remember(key, known)
+    q8 = known["q8_s"] < known["bf16_s"] * (1 - MARGIN)
+    set_q8(model, q8)
+    timed = f"a step took {1e3 * known['q8_s']:.1f} ms on 8-bit activations, {1e3 * known['bf16_s']:.1f} ms on bf16"
+    return KernelChoice("q8" if q8 else "bf16", f"{'8-bit' if q8 else 'bf16'} activations: {gated}{timed}")
+
+
+def _store() -> Path:
+    return hub.home() / "kernels" / "activations.json"
+
+
+def _timings() -> dict[str, dict[str, float]]:
+    try:
+        return json.loads(_store().read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _remember(key: str, timing: dict[str, float]) -> None:
+    path = _store()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{time.time_ns()}.tmp")
+        tmp.write_text(json.dumps({**_timings(), key: timing}, indent=1))
+        tmp.replace(path)
+    except OSError:  # a read-only home: time again next load
+        pass
+
+
+def _cpu() -> str:
+    """The CPU's model name, family and model (what its kernels' speed depends on)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        import platform
+
+        return platform.processor() or platform.machine()
+    fields = {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in lines[:30] if ":" in line)}
+    return " ".join(fields.get(k, "") for k in ("model name", "cpu family", "model"))
