@@ -24,7 +24,7 @@ from verispec.models.loader import build_model, open_source, resolve_weights
 
 TARGET, DRAFT, SMOL = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct", "smollm2-135m-instruct"
 CONFIG_KEYS = {"model", "draft", "weights", "draft_weights", "dtype", "method", "k_policy", "k", "confidence",
-               "draft_vocab", "draft_window", "kernels"}
+               "draft_vocab", "draft_window", "kernels", "activations", "activations_reason"}
 
 
 @pytest.fixture(scope="module")
@@ -174,7 +174,10 @@ def test_generate_json_reports_the_resolved_configuration(capsys, caplog, pair) 
     assert c == {"model": pair[0], "draft": pair[1], "weights": "dense", "draft_weights": "dense",
                  "dtype": "float32", "method": d.method, "k_policy": d.k_policy, "k": d.k,
                  "confidence": d.confidence, "draft_vocab": d.draft_vocab, "draft_window": d.draft_window,
-                 "kernels": "stock"}  # fp32 dense layers run PyTorch's matmuls
+                 "kernels": "stock",  # fp32 dense layers run PyTorch's matmuls, with no int4/int8 activation path
+                 "activations": {"target": None, "draft": None},
+                 "activations_reason": {"target": "no int4/int8 layer runs verispec's kernels",
+                                        "draft": "no int4/int8 layer runs verispec's kernels"}}
     c = config("--draft", pair[1], "--method", "draft", "-k", "2", "--k-policy", "fixed", "--confidence", "0",
                "--draft-vocab", "0", "--draft-window", "0")
     assert [c[key] for key in ("method", "k", "k_policy", "confidence", "draft_vocab", "draft_window")] == \

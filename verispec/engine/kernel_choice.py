@@ -12,10 +12,10 @@ model switches between them without reloading. Where the CPU runs both, ``auto``
 
 "Faster" is timed at load: a decode step and a verification step (1 and 8 tokens) of each model on each path,
 the median of a few runs, and 8-bit activations must win by :data:`MARGIN`. The outcome is kept per CPU, thread
-count and model under ``$VERISPEC_HOME/kernels/activations.json`` and read by later loads, so a model's numbers
-on a host do not change from one process to the next with how busy the machine was when it loaded. Where the
-CPU runs one path only (AVX2 without AVX-512 BF16: 8-bit activations; AVX-512 BF16 without VNNI: bf16) the models
-were built on it.
+count, model and weight format under ``$VERISPEC_HOME/kernels/activations.json`` and read by later loads, so a
+model's numbers on a host do not change from one process to the next with how busy the machine was when it
+loaded. Where the CPU runs one path only (AVX2 without AVX-512 BF16: 8-bit activations; AVX-512 BF16 without
+VNNI: bf16) the models were built on it.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import statistics
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -86,15 +87,18 @@ def gate_passed(model: str) -> tuple[bool, str]:
 
 @torch.inference_mode()
 def step_seconds(model: Transformer) -> float:
-    """The summed median seconds of one step per width in :data:`WIDTHS`, after :data:`CONTEXT` cached tokens."""
-    cache = model.new_cache(1, CONTEXT + max(WIDTHS))
+    """The summed median seconds of one step per width in :data:`WIDTHS`, after :data:`CONTEXT` cached tokens (fewer
+    where the model has fewer positions)."""
+    context = max(0, min(CONTEXT, model.rope_cos.shape[0] - max(WIDTHS)))  # within the model's positions
+    cache = model.new_cache(1, context + max(WIDTHS))
     dev = model.device
-    model(torch.zeros(1, CONTEXT, dtype=torch.long, device=dev), torch.arange(CONTEXT, device=dev)[None], cache,
-          last_only=True)
+    if context:
+        model(torch.zeros(1, context, dtype=torch.long, device=dev), torch.arange(context, device=dev)[None], cache,
+              last_only=True)
     total = 0.0
     for w in WIDTHS:
         tokens = torch.zeros(1, w, dtype=torch.long, device=dev)
-        pos = torch.arange(CONTEXT, CONTEXT + w, device=dev)[None]
+        pos = torch.arange(context, context + w, device=dev)[None]
         times = []
         for _ in range(REPEATS + 1):  # the first warms up
             t0 = time.perf_counter()
@@ -120,7 +124,8 @@ def choose(model: Transformer, name: str, kernels: str, target: bool) -> KernelC
             set_q8(model, False)
             return KernelChoice("bf16", f"bf16 activations: {measured} (gate: within {100 * GATE_PPL:.1f}%)")
     gated = f"{measured}, " if target else ""
-    key = f"{_cpu()}|{torch.get_num_threads()} threads|{name}"
+    layers = Counter(type(m).__name__ for m in _fast_layers(model))  # the weight formats it was loaded in
+    key = f"{_cpu()}|{torch.get_num_threads()} threads|{name}|{model.dtype}|{sorted(layers.items())}"
     known = _timings().get(key)
     if known is None:
         set_q8(model, False)
