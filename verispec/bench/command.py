@@ -266,9 +266,9 @@ def _report_head(opts: BenchOptions, engines: dict[str, Any], methods: list[Any]
     def run_as(m: Any) -> dict[str, Any]:
         kern = m.kernels_or(opts.kernels)
         sampling = m.sampling(params)
+        described = engines[kern].describe()
         return {"kernels": kern, "quantized_kernels": fast_kernels.quantized_label(kern),
-                "matmul_kernels": engines[kern].describe()["kernels"],
-                "activations": engines[kern].describe()["activations"],
+                "matmul_kernels": described["kernels"], "activations": described["activations"],
                 "sampling": {"temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k},
                 **({"reference": refs.get(m.label) or BASELINE} if refs else {})}
 

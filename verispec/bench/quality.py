@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from verispec.engine.kernel_choice import GATE_PPL
+from verispec.engine.kernel_choice import GATE_PPL, passes_gate
 from verispec.errors import VerispecError
 
 log = logging.getLogger("verispec.bench")
@@ -191,7 +191,7 @@ def run_quality(model: str, out: str | Path, weights: str = "int4", dtype: str =
 def gate(rows: list[PathQuality]) -> dict[str, bool]:
     """Per kernel path: whether its perplexity is within :data:`GATE_PPL` of the bf16-activation path's."""
     base = next((r for r in rows if r.kernels == "bf16"), None)
-    return {r.path: base is None or r.perplexity <= base.perplexity * (1 + GATE_PPL)
+    return {r.path: base is None or passes_gate(r.perplexity / base.perplexity - 1)
             for r in rows if r.kernels is not None}
 
 

@@ -7,7 +7,7 @@ model switches between them without reloading. Where the CPU runs both, ``auto``
 - drafts on whichever path is faster for the draft model: a draft's numbers never change the output (it is
   verified), only how often its tokens are accepted;
 - runs the target on 8-bit activations only where the quality gate (``verispec bench --quality``) measured the
-  model's perplexity within :data:`~verispec.bench.quality.GATE_PPL` of bf16 activations' (recorded per
+  model's perplexity within :data:`GATE_PPL` of bf16 activations' (recorded per
   registry model, ``ModelEntry.q8_perplexity_change``), and only where 8-bit activations are faster here.
 
 "Faster" is timed at load: a decode step and a verification step (1 and 8 tokens) of each model on each path,
@@ -82,7 +82,12 @@ def gate_passed(model: str) -> tuple[bool, str]:
     if entry is None or entry.q8_perplexity_change is None:
         return False, "no quality-gate measurement for this model"
     change = entry.q8_perplexity_change
-    return change <= GATE_PPL, f"perplexity {100 * change:+.2f}% under 8-bit activations"
+    return passes_gate(change), f"perplexity {100 * change:+.2f}% under 8-bit activations"
+
+
+def passes_gate(change: float) -> bool:
+    """Whether a perplexity change (8-bit over bf16 activations, minus 1) is within the quality gate."""
+    return change <= GATE_PPL
 
 
 @torch.inference_mode()
