@@ -7,7 +7,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-docs/results}
-STEPS=${STEPS:-report ablation structured processing code_edit trees stability concurrency prefix_reuse server sampling verify_cost kernels q8 quality fused_paths int4_long int4_long_q8 predicted predicted_polyglot peer_spread}
+STEPS=${STEPS:-report ablation structured processing code_edit trees stability concurrency prefix_reuse server sampling verify_cost kernels q8 quality fused_paths int4_long predicted predicted_polyglot peer_spread}
 V=.venv/bin/verispec
 PY=.venv/bin/python
 PAIR=(--model qwen2.5-coder-1.5b-instruct --draft qwen2.5-coder-0.5b-instruct --dtype bfloat16 --weights dense
@@ -94,13 +94,8 @@ for step in $STEPS; do
     fused_paths)  # fused attend against SDPA in the prefill; lean against module projection calls in decode
       $PY bench/fused_paths.py --json "$D/fused_paths.json" | tee "$D/fused_paths.md" ;;
     int4_long)    # the report split plus the code edits, 256 new tokens (where the prefill weighs little): plain
-                  # decoding, the defaults and the hybrid with the suffix lookup against llama.cpp plain decoding
-                  # on the same GGUF; global=0 as in code_edit
-      $V bench "${INT4_PAIR[@]}" --methods none,hybrid,hybrid:lookup=suffix,k=16,global=0 \
-        --dataset spec_bench,humaneval:100-119,chat_code,code_edit --per-category 2 --seed 1 --max-tokens 256 \
-        --peers llamacpp --peer-methods llamacpp-plain --no-progress --out "$D" ;;
-    int4_long_q8) # the same on 8-bit activations (--kernels q8, AVX-512 VNNI); llama.cpp as it is
-      $V bench "${INT4_PAIR[@]}" --kernels q8 --methods none,hybrid,hybrid:lookup=suffix,k=16,global=0 \
+                  # decoding and the defaults (kernels auto) against llama.cpp plain decoding on the same GGUF
+      $V bench "${INT4_PAIR[@]}" --methods none,hybrid \
         --dataset spec_bench,humaneval:100-119,chat_code,code_edit --per-category 2 --seed 1 --max-tokens 256 \
         --peers llamacpp --peer-methods llamacpp-plain --no-progress --out "$D" ;;
     predicted|predicted_polyglot) # code edits with their quoted code as the predicted output (and another's, an

@@ -691,16 +691,12 @@ SECTIONS: list[Section] = [
           "outputs, on the packaged `code_edit` and `chat_code` requests; 256 new tokens. The width was looked at "
           "on 12 edit requests built from HumanEval 0-19 (`--dataset code_edit_tune`), not on these."),
     bench("int4_long", "int4 target and draft against llama.cpp, long answers",
-          "The report split (as above) plus the packaged `code_edit` requests, 256 new tokens: plain decoding, "
-          "verispec's defaults and the hybrid with the suffix lookup (k = 16, without the index of earlier outputs, "
-          "as in the code edits) against llama.cpp plain decoding. The target runs from its GGUF's Q4_K tensors as "
+          "The report split (as above) plus the packaged `code_edit` requests, 256 new tokens: plain decoding "
+          "and verispec's defaults (kernels `auto`) against llama.cpp plain decoding. The target runs from its GGUF's Q4_K tensors as "
           "int4 (its Q6_K tensors as int8), the draft as `int4-all`, through verispec's CPU kernels; llama.cpp "
           "runs the same GGUF file on the same prompt token ids. Tokens/s include the prefill. The ratio table "
           "divides every method's tokens/s by llama.cpp plain decoding's, per category; its last column is the "
           "mean over Spec-Bench's six categories."),
-    bench("int4_long_q8", "The same on 8-bit activations against llama.cpp",
-          "As the long answers against llama.cpp, with verispec's int4/int8 layers multiplying 8-bit activations "
-          "(`--kernels q8`, AVX-512 VNNI) for plain decoding and every method; llama.cpp unchanged."),
     bench("predicted", "Predicted outputs: code edits with the quoted code as the prediction",
           "The int4 pair on 8-bit activations (`--kernels q8`) on the packaged `code_edit` requests, each answer "
           "run to its end (up to 1024 tokens): verispec's defaults without a prediction (`hybrid`), with the "
