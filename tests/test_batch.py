@@ -104,6 +104,69 @@ def test_chunked_prefill_matches(engine, reference):
     assert be.stats.prefill_tokens == sum(len(p) - 1 for p in PROMPTS)
 
 
+class CountingTarget:
+    """The target, counting its prefill forwards (``last_only``) and their rows; a prefill forward whose tokens
+    hold ``poison`` raises."""
+
+    def __init__(self, target, poison: int | None = None) -> None:
+        self.target, self.poison, self.prefills, self.raised = target, poison, [], 0
+
+    def __call__(self, tokens, positions, cache, **kwargs):
+        if kwargs.get("last_only"):
+            self.prefills.append(tokens.shape[0])
+            if self.poison is not None and bool((tokens == self.poison).any()):
+                self.raised += 1
+                raise RuntimeError("injected prefill fault")
+        return self.target(tokens, positions, cache, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.target, name)
+
+
+@pytest.mark.parametrize("batch_prefill", [True, False])
+def test_prompts_admitted_together_prefill_in_one_forward(engine, reference, batch_prefill):
+    be = engine.with_config(max_batch=4, batch_prefill=batch_prefill)
+    be.rows.target = counting = CountingTarget(be.rows.target)
+    results = be.generate(PROMPTS[4:8], PARAMS[4:8], SPECS["draft"])
+    assert [r.token_ids for r in results] == reference["draft"][4:8]
+    # Adjacent slots, chunks of 1 to 16 tokens (one forward path): one forward of 4 rows, or one per row.
+    assert counting.prefills == ([4] if batch_prefill else [1, 1, 1, 1])
+
+
+def test_a_failing_batched_prefill_fails_only_the_prompt_that_causes_it(engine, reference):
+    used = {t for i in range(3) for t in PROMPTS[i] + reference["draft"][i]}
+    poison = next(t for t in range(2, engine.target.args.vocab_size) if t not in used)
+    be = engine.with_config(max_batch=4)
+    be.rows.target = counting = CountingTarget(be.rows.target, poison)
+    handles = [be.submit(PROMPTS[i], PARAMS[i], SPECS["draft"]) for i in range(3)]
+    bad = be.submit([5, poison, 6], SamplingParams(max_tokens=20, ignore_eos=True), SPECS["draft"])
+    with pytest.raises(RuntimeError, match="injected prefill fault"):
+        bad.result()
+    assert counting.raised == 2  # the batched forward, then the prompt alone
+    assert [h.result().token_ids for h in handles] == reference["draft"][:3]
+    assert be.failed is None and be.num_running == 0 and be.kv_used_tokens == 0
+
+
+def test_prefill_batches_join_adjacent_rows_on_one_forward_path():
+    from types import SimpleNamespace
+
+    from verispec.engine.slots import Chunk, prefill_batches
+
+    def chunk(slot: int, start: int, n: int) -> Chunk:
+        return Chunk(SimpleNamespace(slot=slot, prompt=list(range(start + n))), start, n)
+
+    a, b, c, d = chunk(0, 0, 10), chunk(1, 0, 20), chunk(3, 0, 12), chunk(4, 0, 100)
+    groups = prefill_batches([d, c, b, a], max_len=512)
+    assert [[x.req.slot for x in g] for g in groups] == [[0, 1], [3], [4]]  # slot 2 not prefilling; 100 > SMALL_M
+    assert [[x.req.slot for x in g] for g in prefill_batches([a, b], 512, batch=False)] == [[0], [1]]
+    # On the kernels, a shared forward holds at most SHARED_TOKENS padded tokens.
+    wide = [chunk(slot, 0, 60) for slot in range(9)]  # 60 tokens: below the large-M threshold on any CPU
+    assert [len(g) for g in prefill_batches(wide, 4096)] == [8, 1]
+    # A row padded to its group's widest chunk must stay inside its cache row.
+    late = chunk(1, 500, 5)
+    assert [[x.req.slot for x in g] for g in prefill_batches([chunk(0, 0, 20), late], 512)] == [[0], [1]]
+
+
 def test_arrivals_and_cancellations_mid_flight(engine, reference):
     spec = SPECS["draft"]
     be = engine.with_config(max_batch=4)

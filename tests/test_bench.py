@@ -116,6 +116,13 @@ def test_run_options_in_method_strings() -> None:
     for bad in ("none:kernels=turbo", "hybrid:temperature=-1", "none:top_p=0", "none:top_k=x", "none:kernels=q8,k=2"):
         with pytest.raises(VerispecError):
             parse_method(bad)
+    # Engine options beside the kernels: an engine over the same models with other slot settings.
+    slots = parse_method("none:batch_prefill=0,prefill_chunk=64")
+    assert slots.slot_options == {"batch_prefill": False, "prefill_chunk": 64} and slots.is_plain
+    assert slots.sampling(run) is run and parse_method("hybrid:kernels=q8").slot_options == {}
+    for bad in ("none:batch_prefill=2", "hybrid:prefill_chunk=0", "none:prefill_chunk=x"):
+        with pytest.raises(VerispecError):
+            parse_method(bad)
     # A k sweep keeps each variant's run options.
     swept = with_k_sweep(parse_methods("draft:kernels=stock"), [2])
     assert swept[-1].label == "draft:kernels=stock,k=2" and swept[-1].kernels == "stock"
@@ -126,6 +133,27 @@ def test_run_options_in_method_strings() -> None:
     assert refs == {BASELINE: None, "hybrid": BASELINE, "none:kernels=q8": None, "hybrid:kernels=q8": "none:kernels=q8",
                     "none:temperature=0.5": None, "hybrid:temperature=0.5": "none:temperature=0.5",
                     "hybrid:kernels=stock": None}
+
+
+def test_each_method_runs_on_the_engine_of_its_kernels_and_slot_settings() -> None:
+    from verispec.bench.command import BASE_ENGINE, _method_engines
+
+    class Stub:
+        def __init__(self, name: str, **config) -> None:
+            self.name, self.config = name, config
+
+        def with_config(self, **fields) -> Stub:
+            return Stub(self.name, **self.config, **fields)
+
+    loaded = {"auto": Stub("auto"), "q8": Stub("q8")}
+    methods = parse_methods("hybrid,none:batch_prefill=0,hybrid:batch_prefill=0,none:kernels=q8,prefill_chunk=32")
+    engines = _method_engines(loaded, methods, BenchOptions(model="m", kernels="auto"))
+    assert engines[BASE_ENGINE] is engines[BASELINE] is engines["hybrid"] is loaded["auto"]
+    assert engines["none:batch_prefill=0"] is engines["hybrid:batch_prefill=0"]  # one engine per setting
+    assert (engines["none:batch_prefill=0"].name, engines["none:batch_prefill=0"].config) == \
+        ("auto", {"batch_prefill": False})
+    q8 = engines["none:kernels=q8,prefill_chunk=32"]
+    assert (q8.name, q8.config) == ("q8", {"prefill_chunk": 32})
 
 
 # -- consistency -------------------------------------------------------------------------------------

@@ -455,6 +455,29 @@ def test_large_m_path_is_chosen_by_tokens_per_row(fmt, monkeypatch):
     assert len(calls) == 1
 
 
+@fast_only
+@q8_only
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+@pytest.mark.parametrize("amx", [False, True])
+def test_layers_on_8bit_activations_keep_their_kernels_on_a_prefill_without_amx(fmt, amx, monkeypatch):
+    # Without AMX the VNNI products beat dequantize + bf16 GEMM at any prompt length; with it oneDNN wins.
+    monkeypatch.setattr(linear, "AMX", amx)
+    n, k = 64, 96
+    lin = large_m_layer(fmt, n, k, bias=False)
+    from verispec.engine.kernel_choice import set_q8
+
+    set_q8(lin, True)
+    calls = count_expansions(monkeypatch)
+    x = torch.randn(1, 2 * linear.PREFILL_M, k, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    y = lin(x)
+    assert len(calls) == int(amx)
+    if not amx:  # the kernels' rows do not depend on each other: each row as the decode step computes it
+        assert torch.equal(y[0, 7], lin(x[0, 7:8].contiguous())[0])
+    set_q8(lin, False)
+    lin(x)
+    assert len(calls) == int(amx) + 1  # bf16 activations take the large-M path
+
+
 # -- the layers, fast and stock -------------------------------------------------------------------
 
 

@@ -56,7 +56,8 @@ class EngineConfig:
     caches fit, ``kv_budget_tokens`` caps the tokens running requests reserve (prompt + max_tokens
     each; default: slots x max_len). ``prefill_chunk`` bounds the prompt tokens prefilled per step,
     so a long prompt delays running requests by at most one chunk. ``prefix_reuse`` keeps a
-    finished request's KV in its slot for a later request sharing its prefix.
+    finished request's KV in its slot for a later request sharing its prefix. ``batch_prefill`` prefills
+    the prompts of adjacent slots in one forward where their chunks take the same kernel path.
     """
 
     model: str
@@ -83,6 +84,7 @@ class EngineConfig:
     kv_budget_tokens: int | None = None
     prefill_chunk: int = 512
     prefix_reuse: bool = True
+    batch_prefill: bool = True
 
     def __post_init__(self) -> None:
         if self.target_device is None:

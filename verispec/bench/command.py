@@ -140,13 +140,13 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     peer_errors = _check_peers(opts)  # a peer that cannot run is reported now, and the run goes on without it
 
-    engines = _load_engines(opts, [m.kernels_or(opts.kernels) for m in methods])
-    engine = engines[opts.kernels]
+    engines = _method_engines(_load_engines(opts, [m.kernels_or(opts.kernels) for m in methods]), methods, opts)
+    engine = engines[BASE_ENGINE]
     rss_after_load = rss_bytes()
     for m in methods:  # build every drafter now: an unavailable method fails before hours of running
-        engines[m.kernels_or(opts.kernels)].check_spec(m.spec)
-    for kern, eng in engines.items():
-        if any(m.spec.enabled and m.spec.k_policy == "cost" and m.kernels_or(opts.kernels) == kern for m in methods):
+        engines[m.label].check_spec(m.spec)
+    for eng in {id(e): e for e in engines.values()}.values():
+        if any(m.spec.enabled and m.spec.k_policy == "cost" and engines[m.label] is eng for m in methods):
             eng.profile()  # before any timed request, as a server profiles before it serves
     if opts.clients:
         return _run_clients(opts, engines, methods, params, prompts, out)
@@ -155,7 +155,7 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
     peers = _load_peers(opts, engine, prompts, peer_errors) if opts.peers else None
     memory = MemoryTracker()
     runner = BenchRunner(params, opts.repeats, opts.seed, opts.progress, memory)
-    gens = {m.label: engine_generate(engines[m.kernels_or(opts.kernels)], m.spec, m.predict,
+    gens = {m.label: engine_generate(engines[m.label], m.spec, m.predict,
                                      m.sampling if m.run_options else None, m.policy_off, m.constrain)
             for m in methods}
     kinds = {m.label: "baseline" if m.is_baseline else "verispec" for m in methods}
@@ -183,8 +183,7 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
     stability = _stability(engine, [m for m in methods if not m.from_sweep and not m.run_options], opts) \
         if opts.stability else None
 
-    footprints = {m.label: drafter_footprint(engines[m.kernels_or(opts.kernels)],
-                                             engines[m.kernels_or(opts.kernels)].drafter(m.spec),
+    footprints = {m.label: drafter_footprint(engines[m.label], engines[m.label].drafter(m.spec),
                                              m.spec.method in ("draft", "hybrid"))
                   for m in methods}
     # The peers stay loaded through the run: their resident memory at load is not any verispec method's.
@@ -218,6 +217,22 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
         report["plots"] = _plots(rows, methods, out, report["title"])
     _write(report, out)
     return report
+
+
+BASE_ENGINE = ""  # the key of the run's own engine (--kernels, default slot settings) in the methods' engines
+
+
+def _method_engines(loaded: dict[str, Any], methods: list[Any], opts: BenchOptions) -> dict[str, Any]:
+    """Per method label: the engine that runs it, ``loaded``'s of its kernels, or one over the same models with
+    its slot settings (``Engine.with_config``); under :data:`BASE_ENGINE` the run's own."""
+    engines = {BASE_ENGINE: loaded[opts.kernels]}
+    own: dict[tuple[str, tuple[tuple[str, Any], ...]], Any] = {}
+    for m in methods:
+        kern, slot = m.kernels_or(opts.kernels), tuple(sorted(m.slot_options.items()))
+        if slot and (kern, slot) not in own:
+            own[kern, slot] = loaded[kern].with_config(**dict(slot))
+        engines[m.label] = own[kern, slot] if slot else loaded[kern]
+    return engines
 
 
 def _load_engines(opts: BenchOptions, kernels: list[str]) -> dict[str, Any]:
@@ -260,14 +275,14 @@ def _report_head(opts: BenchOptions, engines: dict[str, Any], methods: list[Any]
     from verispec.bench.methods import BASELINE, spec_dict
     from verispec.bench.report import now, versions
 
-    config = engines[opts.kernels].describe()  # resolved: the draft "auto" picked, the weight formats "auto" chose
+    config = engines[BASE_ENGINE].describe()  # resolved: the draft "auto" picked, the weight formats "auto" chose
     title = f"verispec bench: {Path(opts.model).name}" + (f" + {Path(config['draft']).name}" if config["draft"] else "")
 
     def run_as(m: Any) -> dict[str, Any]:
         kern = m.kernels_or(opts.kernels)
         sampling = m.sampling(params)
-        described = engines[kern].describe()
-        return {"kernels": kern, "quantized_kernels": fast_kernels.quantized_label(kern),
+        described = engines[m.label].describe()
+        return {"kernels": kern, **m.slot_options, "quantized_kernels": fast_kernels.quantized_label(kern),
                 "matmul_kernels": described["kernels"], "activations": described["activations"],
                 "sampling": {"temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k},
                 **({"reference": refs.get(m.label) or BASELINE} if refs else {})}
@@ -296,16 +311,16 @@ def _run_clients(opts: BenchOptions, engines: dict[str, Any], methods: list[Any]
     ids = []
     for p in prompts:  # a prompt that could never be admitted with its new tokens is left out
         try:
-            tokens = engines[opts.kernels].encode(p.text, p.chat)
+            tokens = engines[BASE_ENGINE].encode(p.text, p.chat)
         except VerispecError:  # longer than the context
             continue
-        if len(tokens) + opts.max_tokens <= engines[opts.kernels].max_len:
+        if len(tokens) + opts.max_tokens <= engines[BASE_ENGINE].max_len:
             ids.append(tokens)
     if not ids:
         raise VerispecError(f"no prompt of '{opts.dataset}' fits --max-len {opts.max_len} with "
                             f"{opts.max_tokens} new tokens")
     served = [m for m in methods if not m.predict]
-    runs = {m.label: clients.ClientMethod(engines[m.kernels_or(opts.kernels)], m.spec,
+    runs = {m.label: clients.ClientMethod(engines[m.label], m.spec,
                                           replace(m.sampling(params), seed=opts.seed))
             for m in served}
     rows = clients.run_levels(runs, ids, opts.clients, opts.repeats, BASELINE, opts.progress)

@@ -13,7 +13,9 @@ each prompt's predicted output, where its dataset has one),
 decoding plus the prediction alone) and ``hybrid:constrain=1`` / ``none:constrain=1`` (answers constrained to
 each prompt's JSON schema, where its dataset has one: ``json_extract``).
 Options of the run rather than of the speculation apply to plain decoding (``none``) too: ``kernels``
-(``none:kernels=q8``: an engine whose int4/int8 layers run the q8 kernels, loaded beside the run's) and the
+(``none:kernels=q8``: an engine whose int4/int8 layers run the q8 kernels, loaded beside the run's), the
+engine's slot settings ``batch_prefill`` (0: every prompt prefills in forwards of its own) and
+``prefill_chunk`` (prompt tokens prefilled per step), run by an engine over the same loaded models, and the
 sampling options ``temperature``, ``top_p`` and ``top_k`` (``hybrid:temperature=0.8,top_p=0.9``), which
 override ``bench``'s --kernels, --temperature, --top-p and --top-k for that method, and ``presence_penalty``,
 ``frequency_penalty`` and ``logprobs`` (``none:logprobs=5``).
@@ -37,9 +39,13 @@ from verispec.sampling import SamplingParams
 BASELINE = "plain"
 """Label of plain decoding, the baseline every speedup is measured against."""
 
-# Options of the run a method may change, plain decoding included: the engine's kernels, and sampling.
+# Options of the run a method may change, plain decoding included: the engine's (its kernels, and its slots'
+# settings: prefill batching and chunk size) and sampling.
+ENGINE_OPTIONS = ("kernels", "batch_prefill", "prefill_chunk")
 RUN_OPTIONS: dict[str, tuple[str, type]] = {
     "kernels": ("kernels", str),
+    "batch_prefill": ("batch_prefill", int),
+    "prefill_chunk": ("prefill_chunk", int),
     "temperature": ("temperature", float),
     "top_p": ("top_p", float),
     "top_k": ("top_k", int),
@@ -88,6 +94,8 @@ class Method:
     # ``prediction`` field have them.
     predict: str = ""
     kernels: str | None = None  # the engine's kernels for this method (None: the run's --kernels)
+    batch_prefill: int | None = None  # the engine's EngineConfig.batch_prefill (0/1; None: the default)
+    prefill_chunk: int | None = None  # the engine's EngineConfig.prefill_chunk (None: the default)
     temperature: float | None = None  # sampling for this method (None: the run's)
     top_p: float | None = None
     top_k: int | None = None
@@ -108,12 +116,19 @@ class Method:
 
     @property
     def run_options(self) -> dict[str, Any]:
-        """The run's options this method changes (``kernels``, ``temperature``, ``top_p``, ``top_k``)."""
+        """The run's options this method changes (:data:`RUN_OPTIONS`)."""
         return {key: getattr(self, key) for key in RUN_OPTIONS if getattr(self, key) is not None}
+
+    @property
+    def slot_options(self) -> dict[str, Any]:
+        """The :class:`~verispec.config.EngineConfig` fields beside the kernels this method changes: an engine
+        over the same loaded models (``Engine.with_config``) runs it."""
+        return {k: v if k != "batch_prefill" else bool(v) for k, v in self.run_options.items()
+                if k in ENGINE_OPTIONS and k != "kernels"}
 
     def sampling(self, params: SamplingParams) -> SamplingParams:
         """The run's sampling ``params`` with this method's own temperature, top-p and top-k."""
-        own = {k: v for k, v in self.run_options.items() if k != "kernels"}
+        own = {k: v for k, v in self.run_options.items() if k not in ENGINE_OPTIONS}
         return replace(params, **own) if own else params
 
     def kernels_or(self, default: str) -> str:
@@ -203,7 +218,11 @@ def _run_options(text: str, opts: str) -> dict[str, Any]:
             raise VerispecError(f"method '{text}': {key} must be {kind.__name__} (got '{raw}')") from None
     if values.get("kernels", KERNEL_CHOICES[0]) not in KERNEL_CHOICES:
         raise VerispecError(f"method '{text}': kernels must be one of {', '.join(KERNEL_CHOICES)}")
-    sampling = {k: v for k, v in values.items() if k != "kernels"}
+    if values.get("batch_prefill", 0) not in (0, 1):
+        raise VerispecError(f"method '{text}': batch_prefill must be 0 or 1")
+    if values.get("prefill_chunk", 1) < 1:
+        raise VerispecError(f"method '{text}': prefill_chunk must be at least 1")
+    sampling = {k: v for k, v in values.items() if k not in ENGINE_OPTIONS}
     if sampling:
         replace(SamplingParams(), **sampling)  # validates the ranges
     return values

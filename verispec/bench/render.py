@@ -692,11 +692,11 @@ SECTIONS: list[Section] = [
           "on 12 edit requests built from HumanEval 0-19 (`--dataset code_edit_tune`), not on these."),
     bench("int4_long", "int4 target and draft against llama.cpp, long answers",
           "The report split (as above) plus the packaged `code_edit` requests, 256 new tokens: plain decoding "
-          "and verispec's defaults (kernels `auto`) against llama.cpp plain decoding. The target runs from its GGUF's Q4_K tensors as "
-          "int4 (its Q6_K tensors as int8), the draft as `int4-all`, through verispec's CPU kernels; llama.cpp "
-          "runs the same GGUF file on the same prompt token ids. Tokens/s include the prefill. The ratio table "
-          "divides every method's tokens/s by llama.cpp plain decoding's, per category; its last column is the "
-          "mean over Spec-Bench's six categories."),
+          "and verispec's defaults (kernels `auto`) against llama.cpp plain decoding. The target runs from its "
+          "GGUF's Q4_K tensors as int4 (its Q6_K tensors as int8), the draft as `int4-all`, through verispec's "
+          "CPU kernels; llama.cpp runs the same GGUF file on the same prompt token ids. Tokens/s include the "
+          "prefill. The ratio table divides every method's tokens/s by llama.cpp plain decoding's, per category; "
+          "its last column is the mean over Spec-Bench's six categories."),
     bench("predicted", "Predicted outputs: code edits with the quoted code as the prediction",
           "The int4 pair on 8-bit activations (`--kernels q8`) on the packaged `code_edit` requests, each answer "
           "run to its end (up to 1024 tokens): verispec's defaults without a prediction (`hybrid`), with the "

@@ -95,7 +95,8 @@ class Engine:
         self.stats = EngineStats()
         self._shared: dict[Hashable, Any] = {}  # what this engine's drafters share (DraftContext.shared)
         self._drafters = DrafterPool(self.draft_context)
-        self.rows = Slots(target, self.cache, self.draft_runner, self._drafters, self.stats, config.prefix_reuse)
+        self.rows = Slots(target, self.cache, self.draft_runner, self._drafters, self.stats, config.prefix_reuse,
+                          config.batch_prefill)
         self.scheduler: Scheduler[Request] = Scheduler(size.slots, size.budget, self.max_len,
                                                        self.rows.choose if config.prefix_reuse else None)
         self._running: dict[int, Request] = {}  # slot -> request, in admission order
