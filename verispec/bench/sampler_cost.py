@@ -9,8 +9,8 @@ alternate call by call; the median of ``--reps`` is reported in ms per call, wit
 nucleus size. A second table times one draw from such a distribution: ``torch.multinomial`` (one
 exponential per token) against :func:`verispec.sampling.sample`. Usage:
 
-    python bench/sampler_cost.py [--vocab 151936] [--rows 1,6] [--temperature 0.8]
-                                 [--top-p 1.0,0.9,0.95] [--shapes peaked,medium,flat] [--reps 21] [--threads 1]
+    python -m verispec.bench.sampler_cost [--vocab 151936] [--rows 1,6] [--temperature 0.8]
+                                          [--top-p 1.0,0.9,0.95] [--shapes peaked,medium,flat] [--reps 21] [--threads 1]
 """
 
 from __future__ import annotations
