@@ -446,8 +446,10 @@ def ablation_section(folder: Path, base: Path) -> list[str]:
 
 def ablation_headline(folder: Path) -> str:
     rows = ablation_rows(load(folder / "report.json"))
+    spread = max((r["spread"] for r in rows), default=0.0)
     return "tokens/s without each rule against with it: " + ", ".join(
-        f"{r['rules']} {100 * (statistics.median(r['ratios']) - 1):+.1f}%" for r in rows if r["ratios"])
+        f"{r['rules']} {100 * (statistics.median(r['ratios']) - 1):+.1f}%" for r in rows if r["ratios"]) + \
+        f" (spread of the defaults over repeats {100 * spread:.1f}%)"
 
 
 def clients_section(folder: Path, base: Path) -> list[str]:
