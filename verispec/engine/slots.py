@@ -36,23 +36,21 @@ class Chunk:
     def tokens(self) -> list[int]:
         return self.req.prompt[self.start:self.start + self.n]
 
-    @staticmethod
-    def width(group: list[Chunk]) -> int:
-        return max(c.n for c in group)
-
 
 def forward_path(n: int) -> int:
     """Which forward path a chunk of ``n`` tokens per row takes: the fused small-M path, the prefill path on
-    the matmul kernels, or the prefill path on dequantized weights (:func:`verispec.models.linear.large_m`).
-    A row's numbers depend on its path, so only chunks on one path share a forward: padded to the widest,
-    each row still takes the path it takes alone."""
+    the matmul kernels, or the prefill path at or above the large-M threshold (dequantized weights, save
+    layers that :func:`verispec.models.linear.large_m` keeps on their kernels). A row's numbers depend on
+    its path, so only chunks on one path share a forward: padded to the widest, each row still takes the
+    path it takes alone."""
     return 0 if n <= SMALL_M else 1 if n < linear.PREFILL_M else 2
 
 
-# Padded tokens at most in one shared forward on the matmul kernels: their time per token grows with the
-# rows they multiply. 4 prompts of n tokens each, one forward against one per prompt (int4 1.5B, 8-bit
-# activations, 2-core Zen 4): 1.26x at n = 16, 1.08x at 40, 1.04x at 100, 0.97x at 200, 0.93x at 300.
-# The large-M path (dequantize + GEMM) shares its expansion of the weights, so it has no such bound.
+# Padded tokens at most in one shared forward below the large-M threshold, on the matmul kernels: their
+# time per token grows with the rows they multiply. 4 prompts of n tokens each, one forward against one per
+# prompt (int4 1.5B, 8-bit activations, 2-core Zen 4): 1.26x at n = 16, 1.08x at 40, 1.04x at 100, 0.97x
+# at 200, 0.93x at 300. At or above it the bound is left to the step's prefill budget (``prefill_chunk``,
+# 512 tokens by default), since there the dequantize + GEMM path shares its expansion of the weights.
 SHARED_TOKENS = 512
 
 
@@ -63,14 +61,14 @@ def prefill_batches(chunks: list[Chunk], max_len: int, batch: bool = True) -> li
     groups: list[list[Chunk]] = []
     for c in sorted(chunks, key=lambda c: c.req.slot):
         last = groups[-1] if groups and batch else None
-        joined = [*last, c] if last is not None else []
-        if (last is not None and c.req.slot == last[-1].req.slot + 1
-                and forward_path(c.n) == forward_path(last[0].n)
-                and (forward_path(c.n) == 2 or len(joined) * Chunk.width(joined) <= SHARED_TOKENS)
-                and all(x.start + Chunk.width(joined) <= max_len for x in joined)):
-            last.append(c)
-        else:
-            groups.append([c])
+        if last is not None and c.req.slot == last[-1].req.slot + 1 and forward_path(c.n) == forward_path(last[0].n):
+            joined = [*last, c]
+            width = max(x.n for x in joined)
+            if ((forward_path(c.n) == 2 or len(joined) * width <= SHARED_TOKENS)
+                    and all(x.start + width <= max_len for x in joined)):
+                last.append(c)
+                continue
+        groups.append([c])
     return groups
 
 
@@ -151,10 +149,10 @@ class Slots:
     def _forward(self, group: list[Chunk]) -> list[tuple[Request, Exception]]:
         """One forward over ``group``'s chunks; where it raises, each chunk alone, so a fault is its own row's."""
         t1 = time.perf_counter()
+        width = max(c.n for c in group)
         try:
             span_forward(self.target, self.cache, {c.req.slot: c.tokens for c in group},
-                         {c.req.slot: c.start for c in group}, max(c.start + c.width(group) for c in group),
-                         last_only=True)
+                         {c.req.slot: c.start for c in group}, max(c.start for c in group) + width, last_only=True)
         except Exception as e:  # noqa: BLE001 (these prompts' forward; their lengths stay where they were)
             if len(group) > 1:
                 return [f for c in group for f in self._forward([c])]
