@@ -7,7 +7,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-docs/results}
-STEPS=${STEPS:-report ablation structured processing code_edit trees stability concurrency prefix_reuse server sampling verify_cost kernels q8 quality fused_paths int4_long predicted predicted_polyglot peer_spread}
+STEPS=${STEPS:-report ablation structured processing code_edit trees stability concurrency prefix_reuse server sampling verify_cost kernels q8 quality advise fused_paths int4_long predicted predicted_polyglot peer_spread}
 V=.venv/bin/verispec
 PY=.venv/bin/python
 PAIR=(--model qwen2.5-coder-1.5b-instruct --draft qwen2.5-coder-0.5b-instruct --dtype bfloat16 --weights dense
@@ -91,6 +91,10 @@ for step in $STEPS; do
         --repeats 2 --max-len 2048 --no-progress --out "$D" ;;
     quality)      # the kernels' quality gate: perplexity under bf16 and 8-bit activations and llama.cpp, pass@1
       $V bench --quality --model qwen2.5-coder-1.5b-instruct --weights int4 --out "$D" ;;
+    advise)       # `verispec advise` on the report split: calibrate, predict every drafter and k, measure the best
+                  # predicted and the defaults (and the other activation path), recommend the measured best
+      $V advise "${INT4_PAIR[@]}" --dataset spec_bench,humaneval:100-119,chat_code --per-category 2 --seed 1 \
+        --n 12 --max-tokens 128 --out "$D" > "$D/advise.txt" ;;
     fused_paths)  # fused attend against SDPA in the prefill; lean against module projection calls in decode
       $PY bench/fused_paths.py --json "$D/fused_paths.json" | tee "$D/fused_paths.md" ;;
     int4_long)    # the report split plus the code edits, 256 new tokens (where the prefill weighs little): plain

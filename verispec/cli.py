@@ -275,16 +275,15 @@ def cmd_datastore(args: argparse.Namespace) -> int:
 def cmd_advise(args: argparse.Namespace) -> int:
     from verispec import Engine
     from verispec.advise import advise, format_advice
+    from verispec.bench.datasets import load
 
-    prompts = None
-    if args.prompts:
-        from verispec.bench.datasets import jsonl
-
-        prompts = [p.text for p in jsonl(args.prompts, n=args.n)]
+    dataset = f"jsonl:{args.prompts}" if args.prompts else args.dataset
+    prompts = load(dataset, per_category=args.per_category, n=args.n, seed=args.seed)
     _no_tp(args)
-    # Plain decoding and each method run on the same prompts: no prefix reuse between them.
+    # Plain decoding and each configuration run on the same prompts: no prefix reuse between them.
     engine = Engine.from_pretrained(args.model, draft=args.draft, **_engine_kwargs(args), prefix_reuse=False)
-    result = advise(engine, prompts, k_max=args.k_max, tokens=args.max_tokens, out=args.out)
+    result = advise(engine, prompts, tokens=args.max_tokens, measure=args.measure, paths=not args.no_paths,
+                    out=args.out)
     print(format_advice(result))
     print(f"\nwrote {args.out}/advise.json and {args.out}/advise.png")
     return 0
@@ -384,12 +383,22 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the target whose tokenizer to use (default: %(default)s)")
     b.set_defaults(func=cmd_datastore)
 
-    a = sub.add_parser("advise", help="measure bandwidth, costs and acceptance; recommend method and k")
+    a = sub.add_parser("advise", help="calibrate on your prompts, predict every method and k, measure the best "
+                       "predicted and the defaults, and recommend what measured fastest")
     _add_engine_args(a)
-    a.add_argument("--prompts", help="JSONL file with a 'prompt' field (default: a few built-in prompts)")
-    a.add_argument("--n", type=int, default=4, help="prompts to calibrate on")
-    a.add_argument("--k-max", type=int, default=16)
-    a.add_argument("--max-tokens", type=int, default=64)
+    a.add_argument("--dataset", default="chat_code,spec_bench",
+                   help="prompts, as `verispec bench --dataset` names them (default: %(default)s, with --n and "
+                   "--per-category keeping it short)")
+    a.add_argument("--prompts", help="a JSONL file with a 'prompt' field (chat-formatted); overrides --dataset")
+    a.add_argument("--n", type=int, default=3, help="the first N prompts of each JSONL set (default %(default)s)")
+    a.add_argument("--per-category", type=int, default=1,
+                   help="Spec-Bench prompts per category (default %(default)s)")
+    a.add_argument("--seed", type=int, default=0, help="Spec-Bench's sample (default %(default)s)")
+    a.add_argument("--max-tokens", type=int, default=128)
+    a.add_argument("--measure", type=int, default=3,
+                   help="best-predicted fixed-k configurations measured beside plain decoding and the defaults")
+    a.add_argument("--no-paths", action="store_true",
+                   help="do not measure the other activation path (bf16 or 8-bit) where the CPU runs both")
     a.add_argument("--out", default="advise_out")
     a.set_defaults(func=cmd_advise)
 

@@ -591,6 +591,12 @@ def quality_headline(folder: Path) -> str:
     return "perplexity: " + "; ".join(cells)
 
 
+def advise_headline(folder: Path) -> str:
+    rec = load(folder / "advise.json")["recommended"]
+    err = f", predicted {rec['predicted']:.2f}x (error {rec['prediction_error']:.0%})" if rec["predicted"] else ""
+    return f"recommended `{rec['label']}`: measured {rec['measured']:.2f}x plain decoding{err}"
+
+
 def sampling_headline(folder: Path) -> str:
     cells = [f"{r['mode']} {r['vs_greedy']:.2f}x" for r in load(folder / "sampling_speed.json")["rows"]
              if "vs_greedy" in r]
@@ -756,6 +762,13 @@ SECTIONS: list[Section] = [
            "GGUF, and pass@1 on HumanEval problems 100-119 (greedy) under each activation path. A path passes "
            "within 0.5% of bf16 activations' perplexity; `--kernels auto` reads the measurement.", "quality",
            quality_headline),
+    script("advise", "`verispec advise` on the report split",
+           "`verispec advise` on the int4 pair and the report split's prompts (as above), 128 new tokens: plain "
+           "decoding and each drafter at a fixed k of 5 calibrate; the advisor predicts every drafter at k = 1..5 "
+           "from the cost policy's profiled curves and the calibration's acceptance by depth, measures plain "
+           "decoding, the defaults, the three best-predicted configurations and the other activation path in a "
+           "second pass, and recommends what that pass measured fastest ([docs/bench.md](bench.md#which-"
+           "configuration-to-run-verispec-advise)).", "advise", advise_headline),
     script("fused_paths", "Fused forward paths",
            "`bench/fused_paths.py`: the prefill's attention through the fused `attend` kernel against SDPA, and "
            "decode steps with projections called straight into the kernels against module calls, and decode steps "

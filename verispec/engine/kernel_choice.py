@@ -53,18 +53,19 @@ class KernelChoice:
 
 def activations(model: Transformer | None) -> str | None:
     """"q8" or "bf16" when every fast int4/int8 layer of ``model`` runs that path, "mixed", or None without any."""
-    paths = {"q8" if m.q8 else "bf16" for m in _fast_layers(model)}
+    paths = {"q8" if m.q8 else "bf16" for m in fast_layers(model)}
     return None if not paths else paths.pop() if len(paths) == 1 else "mixed"
 
 
 def set_q8(model: Transformer, q8: bool) -> None:
     """Switch every fast int4/int8 layer of ``model`` to 8-bit (``q8``) or bf16 activations (int8 layers whose
     input width is not whole groups of 32 keep bf16)."""
-    for m in _fast_layers(model):
+    for m in fast_layers(model):
         m.q8 = q8 and (not isinstance(m, Int8Linear) or m.in_features % 32 == 0)
 
 
-def _fast_layers(model: Transformer | None) -> list[Int4Linear | Int8Linear]:
+def fast_layers(model: Transformer | None) -> list[Int4Linear | Int8Linear]:
+    """``model``'s int4/int8 layers that run verispec's kernels (each has its own ``q8`` switch)."""
     if model is None:
         return []
     return [m for m in model.modules() if isinstance(m, Int4Linear | Int8Linear) and m.fast]
@@ -129,7 +130,7 @@ def choose(model: Transformer, name: str, kernels: str, target: bool) -> KernelC
             set_q8(model, False)
             return KernelChoice("bf16", f"bf16 activations: {measured} (gate: within {100 * GATE_PPL:.1f}%)")
     gated = f"{measured}, " if target else ""
-    layers = Counter(type(m).__name__ for m in _fast_layers(model))  # the weight formats it was loaded in
+    layers = Counter(type(m).__name__ for m in fast_layers(model))  # the weight formats it was loaded in
     key = f"{_cpu()}|{torch.get_num_threads()} threads|{name}|{model.dtype}|{sorted(layers.items())}"
     known = _timings().get(key)
     if known is None:
