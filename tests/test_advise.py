@@ -132,3 +132,14 @@ def test_advise_measures_the_other_activation_path_and_leaves_the_models_as_they
     assert all(c["measured"] > 0 for c in other.values())
     assert [(m, m.q8) for m, _ in before] == before
     assert "default [bf16]" in format_advice(result)
+
+
+def test_advise_refuses_what_it_cannot_run(qwen2_tiny):
+    from verispec import Engine
+    from verispec.errors import VerispecError
+
+    engine = Engine.from_pretrained(qwen2_tiny.path, dtype="float32", max_len=64, progress=False)
+    with pytest.raises(VerispecError, match="at least one prompt"):
+        advise(engine, [])
+    with pytest.raises(VerispecError, match="--measure -1"):
+        advise(engine, [BenchPrompt("0", "t", "x", False)], measure=-1)

@@ -32,6 +32,7 @@ from verispec.engine import kernel_choice
 from verispec.engine.costs import CostModel
 from verispec.engine.engine import Engine
 from verispec.engine.metrics import Metrics
+from verispec.errors import VerispecError
 from verispec.models.linear import Int4Linear, Int8Linear
 from verispec.sampling import SamplingParams
 
@@ -194,7 +195,10 @@ def advise(engine: Engine, prompts: Sequence[BenchPrompt], tokens: int = 128, me
     """Calibrate, predict and measure on ``prompts`` (see the module); returns the report as a dict and writes
     ``out``/advise.json and advise.png when ``out`` is given. ``paths`` False skips the other activation path."""
     if not prompts:
-        raise ValueError("advise needs at least one prompt")
+        raise VerispecError("advise needs at least one prompt")
+    if measure < 0 or tokens < 1:
+        raise VerispecError(f"advise measures at least 0 configurations of at least 1 token (got --measure {measure}, "
+                            f"--max-tokens {tokens})")
     costs = engine.profile(K_CAL)
     methods = methods_for(engine)
     runs = _Runs(engine, prompts, tokens)
