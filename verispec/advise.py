@@ -263,7 +263,7 @@ def _command(c: Candidate) -> str:
     if c.spec is PLAIN:
         return "--method none" + kern
     if c.label.startswith(DEFAULT_LABEL):
-        return "(the defaults)" + kern
+        return kern.strip()  # the defaults take no options
     s = c.spec
     return f"--method {s.method} -k {s.k} --k-policy fixed --confidence 0{kern}"
 
@@ -302,14 +302,15 @@ def markdown(r: dict) -> str:
     for method, c in r["calibration"].items():
         reach = "/".join(f"{100 * x:.0f}" for x in c["reach"])
         lines.append(f"| {method} | {c['hit']:.0%} | {reach} % | {c['measured']:.2f}x | "
-                     + " | ".join(f"{r['predicted'][method][k]:.2f}x" for k in ks) + " |")
+                     + " | ".join(f"{v:.2f}x" for v in r["predicted"][method].values()) + " |")
     lines += ["", "| configuration | activations | predicted | measured |", "|---|---|---|---|"]
     for c in sorted(r["candidates"], key=lambda c: -(c["measured"] or 0)):
         pred = f"{c['predicted']:.2f}x" if c["predicted"] else "–"
         lines.append(f"| `{c['label']}` | {c['kernels']} | {pred} | {c['measured']:.2f}x |")
     rec = r["recommended"]
     err = f"; prediction error {rec['prediction_error']:.1%}" if rec["prediction_error"] is not None else ""
-    lines += ["", f"Recommended: `{rec['label']}` ({rec['command']}), measured {rec['measured']:.2f}x{err}. "
+    run = f"`{rec['command']}`" if rec["command"] else "no options"
+    lines += ["", f"Recommended: `{rec['label']}` ({run}), measured {rec['measured']:.2f}x{err}. "
               f"{r['verdict'][0].upper()}{r['verdict'][1:]}.", ""]
     return "\n".join(lines)
 
@@ -342,7 +343,8 @@ def format_advice(r: dict) -> str:
         lines.append(f"  {c['label']:44s} {c['measured']:.2f}x  ({pred})")
     rec = r["recommended"]
     err = f", prediction error {rec['prediction_error']:.0%}" if rec["prediction_error"] is not None else ""
-    lines += ["", f"recommended: {rec['label']}: {rec['command']}  (measured {rec['measured']:.2f}x{err})",
+    lines += ["", f"recommended: {rec['label']}: {rec['command'] or 'no options'}  "
+              f"(measured {rec['measured']:.2f}x{err})",
               f"verdict: {r['verdict']}"]
     kern = r.get("kernels")
     if kern and kern["activations"]["target"]:
