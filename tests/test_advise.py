@@ -90,10 +90,13 @@ def test_advise_on_tiny_models(qwen2_tiny, qwen2_draft_tiny, tmp_path):
     from verispec import Engine
 
     engine = Engine.from_pretrained(qwen2_tiny.path, draft=qwen2_draft_tiny.path, dtype="float32", max_len=256,
-                                    progress=False, prefix_reuse=False)
+                                    progress=False)
     prompts = [BenchPrompt(str(i), "t", ids, False) for i, ids in  # type: ignore[arg-type]
                enumerate([[3, 5, 7, 9, 11, 3, 5, 7], [2, 4, 6, 8, 2, 4, 6, 8]])]
     result = advise(engine, prompts, tokens=12, measure=2, out=str(tmp_path))
+    # Prefix reuse would let each configuration skip a prompt another already prefilled: the advisor runs on
+    # an engine of its own without it, so the one passed in (with reuse, the default) ran nothing.
+    assert engine.stats.steps == 0 and engine.stats.prefix_reused_tokens == 0
     assert result["plain_tokens_per_s"] > 0 and result["read_bandwidth_GBps"] > 0
     assert set(result["verify_cost_curve"]) == set(range(1, K_CAL + 2)) and result["verify_cost_curve"][1] == 1.0
     assert set(result["calibration"]) == {"hybrid", "draft", "suffix", "ngram"}

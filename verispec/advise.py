@@ -193,12 +193,16 @@ def _path_configs(engine: Engine, path: str | None) -> dict[str, _Config]:
 def advise(engine: Engine, prompts: Sequence[BenchPrompt], tokens: int = 128, measure: int = MEASURE,
            paths: bool = True, out: str | None = None) -> dict:
     """Calibrate, predict and measure on ``prompts`` (see the module); returns the report as a dict and writes
-    ``out``/advise.json and advise.png when ``out`` is given. ``paths`` False skips the other activation path."""
+    ``out``/advise.json, advise.md and advise.png when ``out`` is given. ``paths`` False skips the other activation
+    path. Runs on an engine over ``engine``'s models without prefix reuse (no configuration may reuse another's
+    prefill of the same prompt)."""
     if not prompts:
         raise VerispecError("advise needs at least one prompt")
     if measure < 0 or tokens < 1:
         raise VerispecError(f"advise measures at least 0 configurations of at least 1 token (got --measure {measure}, "
                             f"--max-tokens {tokens})")
+    if engine.config.prefix_reuse:  # every configuration must prefill each prompt itself, as plain decoding does
+        engine = engine.with_config(prefix_reuse=False)
     costs = engine.profile(K_CAL)
     methods = methods_for(engine)
     runs = _Runs(engine, prompts, tokens)
