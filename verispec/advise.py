@@ -54,11 +54,6 @@ class Calibration:
     other_step_s: float  # per step: verification and bookkeeping (all but drafting and the target forward)
     model: bool  # whether a draft model's forwards draft (drafting time grows with k) or only lookups
 
-    @property
-    def acceptance(self) -> float:
-        """Mean per-position acceptance over the K_CAL positions (for display)."""
-        return sum(self.reach) / len(self.reach) if self.reach else 0.0
-
 
 @dataclass
 class Candidate:
@@ -152,9 +147,10 @@ class _Runs:
 
 def _other_path(engine: Engine) -> str | None:
     """The activation path besides the one ``auto`` chose, where this CPU runs both and the target may run it."""
-    if not kernel_choice.both_paths() or kernel_choice.activations(engine.target) is None:
+    chosen = kernel_choice.activations(engine.target)
+    if not kernel_choice.both_paths() or chosen is None:
         return None
-    other = "bf16" if kernel_choice.activations(engine.target) == "q8" else "q8"
+    other = "bf16" if chosen == "q8" else "q8"
     if other == "q8" and not kernel_choice.gate_passed(engine.config.model)[0]:
         return None
     return other
@@ -230,14 +226,14 @@ def advise(engine: Engine, prompts: Sequence[BenchPrompt], tokens: int = 128, me
     best_measured = rec.measured or 1.0
     pays = rec.spec is not PLAIN and best_measured >= PAYS
     plain_tps = second.metrics["plain"].tokens_per_s
-    read_bandwidth_bps = read_bandwidth()
+    read_bandwidth_bps, weight_bytes = read_bandwidth(), weight_bytes_per_token(engine.target)
     verify = {m: costs.target_s(m) / costs.target_s(1) for m in range(1, K_CAL + 2)}
     error = abs(rec.predicted - best_measured) / best_measured if rec.predicted else None
     result = {
         "machine": machine(), "prompts": len(prompts), "max_tokens": tokens,
         "read_bandwidth_GBps": read_bandwidth_bps / 1e9,
-        "target_weight_GB_per_token": weight_bytes_per_token(engine.target) / 1e9,
-        "roofline_tokens_per_s": read_bandwidth_bps / weight_bytes_per_token(engine.target),
+        "target_weight_GB_per_token": weight_bytes / 1e9,
+        "roofline_tokens_per_s": read_bandwidth_bps / weight_bytes,
         "target_forward_ms": costs.target_s(1) * 1e3,
         "plain_tokens_per_s": plain_tps, "verify_cost_curve": verify,
         "draft_forward_ms": costs.draft_s(1) * 1e3 if engine.draft is not None else None,
@@ -279,8 +275,8 @@ def _plot(result: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
+    ks = range(1, K_CAL + 1)
     for method in result["calibration"]:
-        ks = range(1, K_CAL + 1)
         ax.plot(ks, [result["predicted"][method][k] for k in ks], marker=".", label=f"{method}: predicted")
     for c in result["candidates"]:
         if c["k"] is not None:

@@ -280,12 +280,12 @@ def cmd_advise(args: argparse.Namespace) -> int:
     dataset = f"jsonl:{args.prompts}" if args.prompts else args.dataset
     prompts = load(dataset, per_category=args.per_category, n=args.n, seed=args.seed)
     _no_tp(args)
-    # Plain decoding and each configuration run on the same prompts: no prefix reuse between them.
+    # Without prefix reuse from the start, so the advisor need not build an engine of its own without it.
     engine = Engine.from_pretrained(args.model, draft=args.draft, **_engine_kwargs(args), prefix_reuse=False)
     result = advise(engine, prompts, tokens=args.max_tokens, measure=args.measure, paths=not args.no_paths,
                     out=args.out)
     print(format_advice(result))
-    print(f"\nwrote {args.out}/advise.json and {args.out}/advise.png")
+    print(f"\nwrote {args.out}/advise.json, advise.md and advise.png")
     return 0
 
 
